@@ -1,0 +1,3 @@
+"""Journeyman adapter: agents-sdk."""
+
+__all__: list[str] = []

@@ -1,0 +1,92 @@
+"""The trained object: a base model with one LoRA adapter (PEFT), shared by engine and trainer.
+
+In process, the engine samples from the very module the trainer updates, so a new step needs no
+weight transfer; `lock` keeps sampling and a training step from overlapping. Saving writes the
+adapter in PEFT's format, which vLLM also loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+
+from .errors import InvalidFieldError
+
+
+class LoraConfig(BaseModel):
+    r: int = Field(8, ge=1, description="LoRA rank")
+    alpha: int = Field(16, ge=1, description="LoRA alpha (scale = alpha / r)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | str = Field("all-linear", description="modules that get an adapter")
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class LoraPolicy:
+    """Base model + LoRA adapter + tokenizer, loaded once per process."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        lora: LoraConfig | None = None,
+        device: str | None = None,
+        dtype: str = "float32",
+    ) -> None:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidFieldError("dtype", dtype, "use float32, bfloat16 or float16")
+        self.device = pick_device(device)
+        self.dtype = getattr(torch, dtype)
+        self.lora = lora or LoraConfig()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device)
+        base.eval()
+        peft_config = PeftLoraConfig(
+            r=self.lora.r,
+            lora_alpha=self.lora.alpha,
+            lora_dropout=self.lora.dropout,
+            target_modules=self.lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        self.model: Any = get_peft_model(base, peft_config)
+        self.model.eval()
+        # Sampling and a training step never overlap on the shared weights.
+        self.lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def base_only(self) -> Iterator[None]:
+        """The reference policy for KL: the same weights with the adapter switched off."""
+        with self.model.disable_adapter():
+            yield
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def save(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        with self.lock:
+            self.model.save_pretrained(str(path))
+
+    def load(self, path: Path) -> None:
+        """Load adapter weights saved by `save` into the live adapter (resume)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        file = path / "adapter_model.safetensors"
+        if not file.exists():
+            raise InvalidFieldError("checkpoint", str(path), "has no adapter_model.safetensors")
+        with self.lock:
+            set_peft_model_state_dict(self.model, load_file(str(file), device=str(self.device)))

@@ -1,0 +1,90 @@
+"""LocalBackend: serves and trains models in this process, with the run directory on local disk."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from .adapter import LoraPolicy
+from .capture import CapturedCall
+from .chat_format import ChatFormat
+from .endpoint import Endpoint, ServerThread, build_app
+from .engine import Engine
+from .errors import InvalidFieldError
+from .model import TrainableModel
+from .weights import resolve_base_model
+
+
+@dataclass
+class _Service:
+    model: TrainableModel
+    policy: LoraPolicy
+    chat_format: ChatFormat
+    engine: Engine
+    endpoint: Endpoint
+    server: ServerThread
+
+
+class LocalBackend:
+    """Runs engine, endpoint and trainer for each registered model in this process.
+
+    `engine="torch"` (default) samples in process from the weights the trainer updates.
+    """
+
+    def __init__(self, path: str | Path = ".journeyman", *, engine: str = "torch", device: str | None = None, dtype: str = "float32") -> None:
+        if engine not in ("torch",):
+            raise InvalidFieldError("engine", engine, "supported engines: 'torch'")
+        self.path = Path(path)
+        self.engine_kind = engine
+        self.device = device
+        self.dtype = dtype
+        self._services: dict[str, _Service] = {}
+
+    def model_dir(self, model: TrainableModel) -> Path:
+        return self.path / model.project / "models" / model.name
+
+    async def register(self, model: TrainableModel) -> None:
+        if model.name in self._services:
+            self._services[model.name].model = model
+            return
+        self._services[model.name] = await asyncio.to_thread(self._start, model)
+
+    def _start(self, model: TrainableModel) -> _Service:
+        from .engine.torch_engine import TorchEngine
+
+        weights = resolve_base_model(model.base_model)
+        policy = LoraPolicy(weights, model.lora, device=self.device, dtype=self.dtype)
+        chat_format = ChatFormat(policy.tokenizer)
+        engine = TorchEngine(policy, chat_format.stop_ids)
+        endpoint = Endpoint(engine, chat_format, model.name, default_max_tokens=model.max_tokens)
+        server = ServerThread(build_app(endpoint))
+        self.model_dir(model).mkdir(parents=True, exist_ok=True)
+        return _Service(model, policy, chat_format, engine, endpoint, server)
+
+    def service(self, model: TrainableModel) -> _Service:
+        try:
+            return self._services[model.name]
+        except KeyError:
+            raise InvalidFieldError("model", model.name, "is not registered with this backend") from None
+
+    def base_url(self, model: TrainableModel) -> str:
+        return self.service(model).server.base_url
+
+    def step(self, model: TrainableModel) -> int:
+        return self.service(model).engine.step
+
+    def pop_captures(self, model: TrainableModel, capture_id: str) -> list[CapturedCall]:
+        return self.service(model).endpoint.captures.pop(capture_id)
+
+    def close(self) -> None:
+        for s in self._services.values():
+            s.server.stop()
+            s.engine.close()
+        self._services.clear()
+
+    async def __aenter__(self) -> LocalBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,72 @@
+"""Per-request capture of what the endpoint served, addressable by a capture id.
+
+Frameworks such as LangChain and the Agents SDK drop the extra fields a completion carries, so the
+token records must also be reachable another way: a client marks its requests with the header
+`x-journeyman-capture: <id>` (the `capture()` context does this through a ContextVar, so concurrent
+episodes never mix), and the endpoint files every completion it serves under that id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+CAPTURE_HEADER = "x-journeyman-capture"
+
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("journeyman_capture", default=None)
+
+
+class CapturedCall(BaseModel):
+    """One served chat completion: the request as received and the response as sent."""
+
+    request_messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    response: dict[str, Any] = Field(description="the chat.completion body, records included")
+
+
+class Captures:
+    """Server side: calls filed by capture id (bounded; the oldest ids go first)."""
+
+    def __init__(self, max_ids: int = 10_000) -> None:
+        self._calls: OrderedDict[str, list[CapturedCall]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._max = max_ids
+
+    def add(self, capture_id: str, call: CapturedCall) -> None:
+        with self._lock:
+            self._calls.setdefault(capture_id, []).append(call)
+            while len(self._calls) > self._max:
+                self._calls.popitem(last=False)
+
+    def pop(self, capture_id: str) -> list[CapturedCall]:
+        with self._lock:
+            return self._calls.pop(capture_id, [])
+
+
+def current_capture_id() -> str | None:
+    return _current.get()
+
+
+@contextlib.contextmanager
+def capture_scope(capture_id: str | None = None) -> Iterator[str]:
+    """Mark every request made in this context (task) with a fresh capture id."""
+    cid = capture_id or uuid.uuid4().hex
+    token = _current.set(cid)
+    try:
+        yield cid
+    finally:
+        _current.reset(token)
+
+
+async def add_capture_header(request: Any) -> None:
+    """httpx request hook: stamp the current capture id on outgoing requests."""
+    cid = _current.get()
+    if cid is not None:
+        request.headers[CAPTURE_HEADER] = cid

@@ -1,0 +1,226 @@
+"""Messages to token ids and sampled text back to messages, for one tokenizer.
+
+Two jobs, one place:
+- `prompt_ids` renders an OpenAI message list (with tools) through the chat template, one message at
+  a time, and splices in the exact ids the engine sampled for earlier assistant turns. The model
+  then sees precisely what it generated, and each call's prompt starts with the previous call's
+  prompt + completion, so a multi-turn run trains as one sequence with no re-tokenisation drift.
+- `parse_completion` turns generated text into `content` + OpenAI `tool_calls` (Hermes-style
+  `<tool_call>{"name": .., "arguments": ..}</tool_call>`). Malformed tool-call text stays content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+from .errors import InvalidFieldError
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def builtin_template() -> str:
+    return resources.files("journeyman").joinpath("templates/chatml_tools.jinja").read_text()
+
+
+def _text(content: Any, field: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
+                raise InvalidFieldError(f"{field}[{j}]", part, "only text content parts are supported")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise InvalidFieldError(field, content, "content must be a string or a list of text parts")
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Validate OpenAI chat messages and bring them to the one shape the template renders."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise InvalidFieldError("messages", messages, "must be a non-empty list of chat messages")
+    out: list[dict[str, Any]] = []
+    for i, raw in enumerate(messages):
+        m = raw.model_dump(exclude_none=True) if hasattr(raw, "model_dump") else raw
+        if not isinstance(m, dict):
+            raise InvalidFieldError(f"messages[{i}]", raw, "each message must be an object")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise InvalidFieldError(f"messages[{i}].role", role, f"must be one of {sorted(_ROLES)}")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
+        msg["content"] = _text(m.get("content"), f"messages[{i}].content")
+        if role == "assistant":
+            calls = []
+            for j, call in enumerate(m.get("tool_calls") or []):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise InvalidFieldError(f"messages[{i}].tool_calls[{j}]", call, "needs function.name")
+                args = fn.get("arguments", "{}")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args or "{}")
+                    except json.JSONDecodeError as e:
+                        raise InvalidFieldError(
+                            f"messages[{i}].tool_calls[{j}].function.arguments", args, f"not JSON: {e}"
+                        ) from e
+                calls.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+            if calls:
+                msg["tool_calls"] = calls
+        elif role == "tool":
+            if "tool_call_id" in m:
+                msg["tool_call_id"] = m["tool_call_id"]
+        if role != "assistant" and "content" not in m:
+            raise InvalidFieldError(f"messages[{i}].content", None, f"a {role} message needs content")
+        out.append(msg)
+    return out
+
+
+def assistant_key(content: str | None, tool_calls: Sequence[dict[str, Any]] | None) -> str:
+    """What identifies an assistant turn across frameworks: its text and calls, not call ids."""
+    calls = []
+    for call in tool_calls or []:
+        args = call["function"]["arguments"]
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except json.JSONDecodeError:
+                pass
+        calls.append([call["function"]["name"], args])
+    return json.dumps([(content or "").strip(), calls], sort_keys=True, ensure_ascii=False)
+
+
+class SampledTurns:
+    """A bounded map from an assistant turn (its key) to the token ids the engine sampled for it."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self._turns: OrderedDict[str, list[int]] = OrderedDict()
+        self._capacity = capacity
+
+    def add(self, key: str, token_ids: list[int]) -> None:
+        self._turns[key] = token_ids
+        self._turns.move_to_end(key)
+        while len(self._turns) > self._capacity:
+            self._turns.popitem(last=False)
+
+    def get(self, key: str) -> list[int] | None:
+        return self._turns.get(key)
+
+
+def parse_completion(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Split generated text into (content, tool_calls). Malformed tool-call text stays as content."""
+    blocks = list(_TOOL_CALL.finditer(text))
+    if not blocks:
+        return text, []
+    calls = []
+    for block in blocks:
+        try:
+            obj = json.loads(block.group(1))
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return text, []
+        if not isinstance(args, dict):
+            return text, []
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
+            }
+        )
+    content = _TOOL_CALL.sub("", text).strip()
+    return (content or None), calls
+
+
+def _raise(message: str) -> None:
+    raise InvalidFieldError("messages", None, message)
+
+
+def _jinja_env() -> Any:
+    # The same settings transformers uses for chat templates; our own so that an empty
+    # conversation (the system turn alone) renders too.
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise
+    return env
+
+
+class ChatFormat:
+    """The chat template of one tokenizer, with Hermes-style tools when its own template has none."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        own = getattr(tokenizer, "chat_template", None)
+        self.template: str = own if own and "tools" in own else builtin_template()
+        self._compiled = _jinja_env().from_string(self.template)
+        self.eos_text: str = tokenizer.eos_token
+        self.eos_id: int = tokenizer.eos_token_id
+        self.stop_ids: set[int] = {self.eos_id}
+        for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+            tid = tokenizer.convert_tokens_to_ids(name)
+            if isinstance(tid, int) and tid != getattr(tokenizer, "unk_token_id", None):
+                self.stop_ids.add(tid)
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool) -> str:
+        return self._compiled.render(
+            messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+            bos_token=self.tokenizer.bos_token or "", eos_token=self.eos_text,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def prompt_ids(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        sampled: SampledTurns | None = None,
+        add_generation_prompt: bool = True,
+    ) -> tuple[list[int], int]:
+        """Token ids of the prompt, and how many assistant turns were spliced from sampled ids."""
+        start = 1 if messages[0]["role"] == "system" else 0
+        prev = self.render(messages[:start], tools, False) if start else self.render([], tools, False)
+        ids = self.encode(prev)
+        spliced = 0
+        for k in range(start, len(messages)):
+            full = self.render(messages[: k + 1], tools, False)
+            if not full.startswith(prev):  # a template that is not prefix-stable: no splicing possible
+                text = self.render(messages, tools, add_generation_prompt)
+                return self.encode(text), 0
+            segment = full[len(prev):]
+            msg = messages[k]
+            turn = sampled.get(assistant_key(msg["content"], msg.get("tool_calls"))) if sampled and msg["role"] == "assistant" else None
+            if turn is not None:
+                header = self.render(messages[:k], tools, True)[len(prev):]
+                end = segment.rfind(self.eos_text)
+                if segment.startswith(header) and end >= 0:
+                    body = turn if turn and turn[-1] in self.stop_ids else [*turn, self.eos_id]
+                    ids += self.encode(header) + body + self.encode(segment[end + len(self.eos_text):])
+                    spliced += 1
+                    prev = full
+                    continue
+            ids += self.encode(segment)
+            prev = full
+        if add_generation_prompt:
+            ids += self.encode(self.render(messages, tools, True)[len(prev):])
+        return ids, spliced

@@ -1,0 +1,278 @@
+"""The OpenAI-compatible endpoint on 127.0.0.1 that agent code talks to.
+
+It renders messages (splicing earlier sampled turns), asks the engine for samples, parses tool
+calls, and attaches a `TokenRecord` to every choice (extra field `journeyman`). It also files each
+completion under the request's capture id for frameworks that drop extra fields.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .capture import CAPTURE_HEADER, CapturedCall, Captures
+from .chat_format import ChatFormat, SampledTurns, assistant_key, normalize_messages, parse_completion
+from .engine import Engine, Sample, SamplingParams
+from .errors import InvalidFieldError, UnknownModelError
+from .types import TokenRecord
+
+
+class ChatCompletionRequest(BaseModel):
+    """The request fields we honour; others (tool_choice, user, ...) are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[Any]
+    tools: list[dict[str, Any]] | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def _sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+    checks = [
+        ("n", req.n, req.n >= 1 and req.n <= 128, "must be between 1 and 128"),
+        ("temperature", req.temperature, req.temperature is None or 0 <= req.temperature <= 2, "must be in [0, 2]"),
+        ("top_p", req.top_p, req.top_p is None or 0 < req.top_p <= 1, "must be in (0, 1]"),
+        ("top_logprobs", req.top_logprobs, req.top_logprobs is None or 0 <= req.top_logprobs <= 20, "must be in [0, 20]"),
+    ]
+    for name, value, ok, reason in checks:
+        if not ok:
+            raise InvalidFieldError(name, value, reason)
+    max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
+    if max_tokens < 1:
+        raise InvalidFieldError("max_tokens", max_tokens, "must be >= 1")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    schema = None
+    if req.response_format is not None:
+        kind = req.response_format.get("type")
+        if kind == "json_schema":
+            spec = req.response_format.get("json_schema") or {}
+            if "schema" not in spec:
+                raise InvalidFieldError("response_format.json_schema.schema", None, "is required")
+            schema = json.dumps(spec["schema"])
+        elif kind == "json_object":
+            schema = json.dumps({"type": "object"})
+        elif kind != "text":
+            raise InvalidFieldError("response_format.type", kind, "use text, json_object or json_schema")
+    return SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        max_tokens=max_tokens,
+        stop=stop,
+        seed=req.seed,
+        top_logprobs=req.top_logprobs or 0,
+        json_schema=schema,
+    )
+
+
+class Endpoint:
+    """Serves one trainable model (its current step) through an engine."""
+
+    def __init__(self, engine: Engine, chat_format: ChatFormat, model_name: str, default_max_tokens: int = 1024) -> None:
+        self.engine = engine
+        self.chat_format = chat_format
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.sampled = SampledTurns()
+        self.captures = Captures()
+        self.completions = 0
+
+    def served_names(self) -> list[str]:
+        return [self.model_name, f"{self.model_name}@{self.engine.step}"]
+
+    async def chat_completion(self, body: dict[str, Any], capture_id: str | None = None) -> dict[str, Any]:
+        req, params, messages, prompt_ids, spliced = self._prepare(body)
+        samples = await self.engine.generate(prompt_ids, params)
+        return self._respond(req, params, messages, prompt_ids, spliced, samples, capture_id)
+
+    def _prepare(self, body: dict[str, Any]) -> tuple[ChatCompletionRequest, SamplingParams, list[dict[str, Any]], list[int], int]:
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(x) for x in err["loc"])
+            raise InvalidFieldError(field, err.get("input"), err["msg"]) from e
+        if req.model not in self.served_names():
+            raise UnknownModelError(req.model, self.served_names())
+        params = _sampling_params(req, self.default_max_tokens)
+        messages = normalize_messages(req.messages)
+        prompt_ids, spliced = self.chat_format.prompt_ids(messages, req.tools, self.sampled)
+        return req, params, messages, prompt_ids, spliced
+
+    def _respond(
+        self,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        messages: list[dict[str, Any]],
+        prompt_ids: list[int],
+        spliced: int,
+        samples: list[Sample],
+        capture_id: str | None,
+    ) -> dict[str, Any]:
+        self.completions += 1
+        name = f"{self.model_name}@{self.engine.step}"
+        choices = []
+        for i, s in enumerate(samples):
+            content, calls = parse_completion(s.text) if req.tools else (s.text, [])
+            finish = "tool_calls" if calls else s.finish_reason
+            record = TokenRecord(
+                prompt_token_ids=prompt_ids, token_ids=s.token_ids, logprobs=s.logprobs, model=name,
+                step=self.engine.step, finish_reason=finish, spliced_turns=spliced,
+            )
+            self.sampled.add(assistant_key(content, calls), s.token_ids)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "finish_reason": finish,
+                    "logprobs": self._logprobs(s) if req.logprobs else None,
+                    "journeyman": record.model_dump(),
+                }
+            )
+        completion_tokens = sum(len(s.token_ids) for s in samples)
+        response = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            },
+        }
+        if capture_id:
+            self.captures.add(capture_id, CapturedCall(request_messages=messages, tools=req.tools, response=response))
+        return response
+
+    def _logprobs(self, s: Sample) -> dict[str, Any]:
+        tok = self.chat_format.tokenizer
+        content = []
+        for t, (tid, lp) in enumerate(zip(s.token_ids, s.logprobs, strict=True)):
+            text = tok.decode([tid])
+            top = s.top_logprobs[t] if t < len(s.top_logprobs) else []
+            content.append(
+                {
+                    "token": text,
+                    "logprob": lp,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": tok.decode([i]), "logprob": v, "bytes": list(tok.decode([i]).encode())} for i, v in top
+                    ],
+                }
+            )
+        return {"content": content, "refusal": None}
+
+
+def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}})
+
+
+def _chunks(response: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+    """The finished completion as OpenAI stream chunks (role, content, tool calls, finish)."""
+
+    async def gen() -> AsyncIterator[str]:
+        base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"], "model": response["model"]}
+        for c in response["choices"]:
+            i, msg = c["index"], c["message"]
+            deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+            if msg.get("content"):
+                deltas.append({"content": msg["content"]})
+            for k, call in enumerate(msg.get("tool_calls", [])):
+                deltas.append({"tool_calls": [{"index": k, **call}]})
+            for d in deltas:
+                yield "data: " + json.dumps({**base, "choices": [{"index": i, "delta": d, "finish_reason": None}]}) + "\n\n"
+            last = {"index": i, "delta": {}, "finish_reason": c["finish_reason"], "logprobs": c["logprobs"], "journeyman": c["journeyman"]}
+            yield "data: " + json.dumps({**base, "choices": [last]}) + "\n\n"
+        if include_usage:
+            yield "data: " + json.dumps({**base, "choices": [], "usage": response["usage"]}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    return gen()
+
+
+def build_app(endpoint: Endpoint) -> FastAPI:
+    app = FastAPI(title="Journeyman endpoint")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "journeyman"} for n in endpoint.served_names()]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return _error(400, f"body is not JSON: {e}", None)
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object", None)
+        try:
+            response = await endpoint.chat_completion(body, request.headers.get(CAPTURE_HEADER))
+        except UnknownModelError as e:
+            return _error(404, str(e), "model", "model_not_found")
+        except InvalidFieldError as e:
+            return _error(400, str(e), e.field)
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(_chunks(response, include_usage), media_type="text/event-stream")
+        return response
+
+    @app.get("/v1/journeyman/captures/{capture_id}")
+    async def captured(capture_id: str) -> dict[str, Any]:
+        return {"calls": [c.model_dump() for c in endpoint.captures.pop(capture_id)]}
+
+    return app
+
+
+class ServerThread:
+    """Runs the app with uvicorn on 127.0.0.1 (a free port) in a daemon thread."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="journeyman-endpoint")
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"endpoint on {self.host}:{self.port} did not start")
+            time.sleep(0.01)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

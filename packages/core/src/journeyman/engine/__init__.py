@@ -1,0 +1,3 @@
+from .base import Engine, Sample, SamplingParams
+
+__all__ = ["Engine", "Sample", "SamplingParams"]

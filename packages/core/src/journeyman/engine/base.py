@@ -1,0 +1,54 @@
+"""The engine interface: token ids in, sampled token ids with their logprobs out.
+
+The endpoint renders messages to ids and parses text back into messages; an engine only samples.
+The in-process torch engine (`torch_engine`) and the vLLM engine sit behind this same interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+
+class SamplingParams(BaseModel):
+    n: int = Field(1, ge=1, le=128)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(256, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+    top_logprobs: int = Field(0, ge=0, le=20)
+    json_schema: str | None = Field(None, description="constrain the output to this JSON schema")
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    text: str
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+class Engine(ABC):
+    """Samples completions for token-id prompts under the current policy step."""
+
+    step: int = 0
+
+    @abstractmethod
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+        """Return `params.n` samples for one prompt. Concurrent calls are batched by the engine."""
+
+    @abstractmethod
+    async def load_adapter(self, path: Path, step: int) -> None:
+        """Serve the LoRA adapter saved at `path` as policy `step` for every later request."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release processes and threads."""
+
+    @property
+    def requests_served(self) -> int:
+        return 0

@@ -1,0 +1,245 @@
+"""The in-process engine: batched sampling from the LoRA policy the trainer updates in place.
+
+Why not transformers' continuous batching: its logprobs come after temperature/top-p, and it has no
+per-request seed, stop strings or grammar masks. This loop is small: requests that arrive together
+share one batch; identical prompts (n > 1) are prefilled once; finished rows leave the batch; each
+row keeps its own temperature, top-p, seed, stop strings and JSON-schema mask; logprobs are those of
+the raw model distribution (temperature 1), the same quantity the trainer computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..adapter import LoraPolicy
+from .base import Engine, Sample, SamplingParams
+
+
+@dataclass
+class _Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[list[Sample]]
+
+
+@dataclass
+class _Row:
+    job: _Job
+    index: int
+    generator: torch.Generator | None
+    grammar: Any = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish: str | None = None
+    text: str | None = None
+
+
+class TorchEngine(Engine):
+    def __init__(self, policy: LoraPolicy, stop_ids: set[int], max_batch_rows: int = 64, batch_wait_s: float = 0.02) -> None:
+        self.policy = policy
+        self.tokenizer = policy.tokenizer
+        self.stop_ids = stop_ids
+        self.max_batch_rows = max_batch_rows
+        self.batch_wait_s = batch_wait_s
+        self.step = 0
+        self.batches = 0
+        self._served = 0
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._grammars: Any = None
+        self._thread = threading.Thread(target=self._work, name="journeyman-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def requests_served(self) -> int:
+        return self._served
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+        loop = asyncio.get_running_loop()
+        job = _Job(prompt_ids, params, loop, loop.create_future())
+        self._queue.put(job)
+        return await job.future
+
+    async def load_adapter(self, path: Path, step: int) -> None:
+        # The trainer updated these very weights; loading only matters when resuming from disk.
+        if path is not None and (path / "adapter_model.safetensors").exists() and step != self.step:
+            await asyncio.to_thread(self.policy.load, path)
+        self.step = step
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    # -- worker thread ---------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        carry: list[_Job] = []
+        while True:
+            job = carry.pop(0) if carry else self._queue.get()
+            if job is None:
+                return
+            jobs, rows = [job], job.params.n
+            deadline = time.monotonic() + self.batch_wait_s
+            while rows < self.max_batch_rows:
+                try:
+                    nxt = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)
+                    break
+                if rows + nxt.params.n > self.max_batch_rows:
+                    carry.append(nxt)
+                    break
+                jobs.append(nxt)
+                rows += nxt.params.n
+            try:
+                results = self._run(jobs)
+            except Exception as e:
+                for j in jobs:
+                    j.loop.call_soon_threadsafe(_set_exception, j.future, e)
+                continue
+            for j, samples in zip(jobs, results, strict=True):
+                self._served += 1
+                j.loop.call_soon_threadsafe(_set_result, j.future, samples)
+
+    @torch.inference_mode()
+    def _run(self, jobs: list[_Job]) -> list[list[Sample]]:
+        self.batches += 1
+        rows = [
+            _Row(job, k, _generator(job.params.seed, k, self.policy.device), self._grammar(job.params.json_schema))
+            for job in jobs
+            for k in range(job.params.n)
+        ]
+        model, device = self.policy.model, self.policy.device
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        with self.policy.lock:
+            model.eval()
+            # Prefill each distinct prompt once, then fan out to its n rows.
+            width = max(len(j.prompt_ids) for j in jobs)
+            ids = torch.full((len(jobs), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(jobs), width), dtype=torch.long)
+            for i, j in enumerate(jobs):
+                ids[i, width - len(j.prompt_ids):] = torch.tensor(j.prompt_ids)
+                mask[i, width - len(j.prompt_ids):] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            fan = torch.tensor([i for i, j in enumerate(jobs) for _ in range(j.params.n)], device=device)
+            cache.reorder_cache(fan)
+            logits = out.logits[:, -1, :].float()[fan]
+            mask, pos = mask[fan], pos[fan][:, -1:]
+            live = list(range(len(rows)))  # row index of each batch position
+            temps = torch.tensor([r.job.params.temperature for r in rows], device=device)
+            top_ps = torch.tensor([r.job.params.top_p for r in rows], device=device)
+            max_new = max(r.job.params.max_tokens for r in rows)
+            for _ in range(max_new):
+                logp = torch.log_softmax(logits, dim=-1)  # (B, V) raw policy, temperature 1
+                nxt = self._sample(logits, [rows[i] for i in live], temps[live], top_ps[live])
+                chosen = logp.gather(1, nxt[:, None]).squeeze(1).tolist()
+                k_top = max(rows[i].job.params.top_logprobs for i in live)
+                top = logp.topk(k_top, dim=-1) if k_top else None
+                keep = []
+                for b, i in enumerate(live):
+                    row, tok = rows[i], int(nxt[b])
+                    row.tokens.append(tok)
+                    row.logprobs.append(chosen[b])
+                    if top is not None and row.job.params.top_logprobs:
+                        k = row.job.params.top_logprobs
+                        row.top.append(list(zip(top.indices[b, :k].tolist(), top.values[b, :k].tolist(), strict=True)))
+                    if row.grammar is not None:
+                        row.grammar.accept_token(tok)
+                    self._check_finished(row)
+                    if row.finish is None:
+                        keep.append(b)
+                if not keep:
+                    break
+                if len(keep) < len(live):
+                    sel = torch.tensor(keep, device=device)
+                    cache.reorder_cache(sel)
+                    mask, pos, nxt = mask[sel], pos[sel], nxt[sel]
+                    live = [live[b] for b in keep]
+                mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
+                pos = pos + 1
+                out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+                logits = out.logits[:, -1, :].float()
+        results: list[list[Sample]] = [[] for _ in jobs]
+        slot = {id(j): i for i, j in enumerate(jobs)}
+        for row in rows:
+            if row.finish is None:
+                row.finish = "length"
+            text = row.text if row.text is not None else self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            results[slot[id(row.job)]].append(Sample(row.tokens, row.logprobs, row.finish, text, row.top))
+        return results
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row], temps: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+        for b, row in enumerate(rows):
+            if row.grammar is not None:
+                self._grammars.mask(row.grammar, logits, b)
+        greedy = logits.argmax(dim=-1)
+        sampled_rows = (temps > 0).nonzero().flatten().tolist()
+        if not sampled_rows:
+            return greedy
+        scaled = logits[sampled_rows] / temps[sampled_rows, None]
+        probs = torch.softmax(scaled, dim=-1)
+        # nucleus (top-p): keep the smallest set of tokens whose mass reaches p
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) > top_ps[sampled_rows, None]
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        for j, b in enumerate(sampled_rows):
+            greedy[b] = torch.multinomial(probs[j], 1, generator=rows[b].generator).squeeze()
+        return greedy
+
+    def _check_finished(self, row: _Row) -> None:
+        p = row.job.params
+        if row.tokens[-1] in self.stop_ids:
+            row.finish = "stop"
+        elif row.grammar is not None and row.grammar.is_terminated():
+            row.finish = "stop"
+        elif p.stop:
+            tail = self.tokenizer.decode(row.tokens[-24:], skip_special_tokens=True)
+            if any(s in tail for s in p.stop):
+                text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+                cut = min(text.find(s) for s in p.stop if s in text)
+                row.text, row.finish = text[:cut], "stop"
+        if row.finish is None and len(row.tokens) >= p.max_tokens:
+            row.finish = "length"
+
+    def _grammar(self, schema: str | None) -> Any:
+        if schema is None:
+            return None
+        if self._grammars is None:
+            from .grammar import GrammarCache
+
+            self._grammars = GrammarCache(self.tokenizer, self.policy.model.config.vocab_size)
+        return self._grammars.matcher(schema)
+
+
+def _generator(seed: int | None, k: int, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed * 1_000_003 + k)
+    return g
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

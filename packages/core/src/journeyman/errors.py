@@ -1,0 +1,59 @@
+"""Typed errors. Each names the field and the value that was wrong, so a user can fix it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class JourneymanError(Exception):
+    """Base class for every error Journeyman raises on purpose."""
+
+
+class InvalidFieldError(JourneymanError, ValueError):
+    """A value given by the user is not acceptable."""
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        self.field = field
+        self.value = value
+        self.reason = reason
+        shown = repr(value)
+        if len(shown) > 200:
+            shown = shown[:200] + "..."
+        super().__init__(f"{field}={shown}: {reason}")
+
+
+class UnknownModelError(JourneymanError, LookupError):
+    """A request named a model the endpoint does not serve."""
+
+    def __init__(self, name: str, served: list[str]) -> None:
+        self.name = name
+        self.served = served
+        super().__init__(f"model={name!r} is not served here; served models: {', '.join(served) or '(none)'}")
+
+
+class BaseModelNotFoundError(JourneymanError, FileNotFoundError):
+    """`base_model` is neither the embedded model, a local directory, nor reachable on a hub."""
+
+
+class EmptyGroupError(InvalidFieldError):
+    """A TrajectoryGroup was built with no trajectories."""
+
+    def __init__(self) -> None:
+        super().__init__("trajectories", [], "a TrajectoryGroup needs at least one trajectory")
+
+
+class TooManyExceptionsError(JourneymanError, RuntimeError):
+    """More rollouts failed than `max_exceptions` allows. The groups gathered so far are kept on `.groups`."""
+
+    def __init__(self, failed: int, total: int, limit: float, groups: list[Any]) -> None:
+        self.failed = failed
+        self.total = total
+        self.groups = groups
+        super().__init__(
+            f"max_exceptions={limit!r}: {failed} of {total} rollouts raised; "
+            f"the {len(groups)} groups finished so far are on this error's .groups"
+        )
+
+
+class NoTrainableTokensError(InvalidFieldError):
+    """A trajectory has no sampled assistant tokens to train on."""

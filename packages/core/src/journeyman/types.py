@@ -1,0 +1,169 @@
+"""The data that crosses boundaries: token records, trajectories, groups. All JSON round-trippable."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import traceback
+from collections.abc import Awaitable, Iterable
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from openai.types.chat.chat_completion import Choice
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .errors import EmptyGroupError, InvalidFieldError
+
+Message = dict[str, Any]
+MessageOrChoice = Message | Choice
+Tool = dict[str, Any]
+
+
+class TokenRecord(BaseModel):
+    """What the engine saw and sampled for one choice: the ground truth the trainer uses."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int] = Field(description="sampled completion ids, in order")
+    logprobs: list[float] = Field(description="log π(token) under the sampling policy, temperature 1")
+    model: str
+    step: int = Field(description="training step of the policy that sampled these tokens")
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    spliced_turns: int = Field(0, description="earlier assistant turns given to the engine as their sampled ids")
+
+
+def record_of(choice: Choice) -> TokenRecord | None:
+    """The token record the endpoint attached to a choice, if any (extra field `journeyman`)."""
+    extra = choice.model_extra or {}
+    raw = extra.get("journeyman")
+    if raw is None:
+        return None
+    return raw if isinstance(raw, TokenRecord) else TokenRecord.model_validate(raw)
+
+
+def _as_choice_or_message(item: Any) -> MessageOrChoice:
+    if isinstance(item, Choice):
+        return item
+    if isinstance(item, BaseModel):  # e.g. a ChatCompletionMessage: store as a plain message
+        item = item.model_dump(exclude_none=True)
+    if isinstance(item, dict) and "finish_reason" in item and "message" in item:
+        return Choice.model_validate(item)
+    if isinstance(item, dict) and "role" in item:
+        return item
+    raise InvalidFieldError("messages_and_choices[]", item, "expected a chat message dict or a completion Choice")
+
+
+class History(BaseModel):
+    """A side conversation inside a rollout (its own prompt prefix): trained or not, never merged."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    messages_and_choices: list[MessageOrChoice] = Field(default_factory=list)
+    tools: list[Tool] | None = None
+    trainable: bool = True
+
+    @field_validator("messages_and_choices", mode="before")
+    @classmethod
+    def _coerce(cls, v: Any) -> list[MessageOrChoice]:
+        return [_as_choice_or_message(x) for x in v]
+
+    def messages(self) -> list[Message]:
+        """Plain OpenAI messages (choices turned into their assistant message)."""
+        out = []
+        for item in self.messages_and_choices:
+            if isinstance(item, Choice):
+                out.append(item.message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"}))
+            else:
+                out.append(item)
+        return out
+
+    def records(self) -> list[TokenRecord]:
+        return [r for item in self.messages_and_choices if isinstance(item, Choice) and (r := record_of(item))]
+
+
+class Trajectory(History):
+    """One rollout: the conversation with the exact token records of each sampled choice, and a reward."""
+
+    reward: float = 0.0
+    metrics: dict[str, float | int | bool] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
+    additional_histories: list[History] = Field(default_factory=list)
+    start_time: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise InvalidFieldError("reward", v, "must be a finite number")
+        return float(v)
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, validate_assignment=True)
+
+    def log(self, message: str) -> None:
+        self.logs.append(message)
+
+
+class TrajectoryGroup(BaseModel):
+    """The rollouts of one scenario. GRPO compares rewards within a group.
+
+    Accepts finished trajectories, or awaitables of them (gathered by `gather_trajectory_groups`
+    or by awaiting the group). Exceptions raised by rollouts are kept, not lost.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    trajectories: list[Trajectory] = Field(default_factory=list)
+    exceptions: list[RolloutException] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    def __init__(self, trajectories: Iterable[Trajectory | Awaitable[Trajectory]] | None = None, /, **data: Any) -> None:
+        items = list(trajectories if trajectories is not None else data.pop("trajectories", []))
+        pending = [t for t in items if not isinstance(t, Trajectory | dict)]
+        done = [t for t in items if isinstance(t, Trajectory | dict)]
+        if not items and not data.get("exceptions"):
+            raise EmptyGroupError()
+        super().__init__(trajectories=done, **data)
+        self._pending: list[Awaitable[Trajectory]] = pending
+
+    @property
+    def pending(self) -> list[Awaitable[Trajectory]]:
+        return self._pending
+
+    async def resolve(self, on_result: Any = None) -> TrajectoryGroup:
+        """Await pending rollouts; each exception is recorded on the group instead of raised."""
+
+        async def one(aw: Awaitable[Trajectory]) -> None:
+            try:
+                t = await aw
+                if not isinstance(t, Trajectory):
+                    raise InvalidFieldError("rollout result", t, "a rollout must return a Trajectory")
+                self.trajectories.append(t)
+                ok = True
+            except Exception as e:
+                self.exceptions.append(RolloutException.from_exception(e))
+                ok = False
+            if on_result is not None:
+                on_result(self, ok)
+
+        pending, self._pending = self._pending, []
+        await asyncio.gather(*(one(aw) for aw in pending))
+        return self
+
+    def __await__(self):
+        return self.resolve().__await__()
+
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+
+class RolloutException(BaseModel):
+    type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def from_exception(cls, e: BaseException) -> RolloutException:
+        return cls(type=type(e).__name__, message=str(e), traceback="".join(traceback.format_exception(e)))
+
+
+TrajectoryGroup.model_rebuild()

@@ -1,0 +1,3 @@
+"""Journeyman adapter: langgraph."""
+
+__all__: list[str] = []

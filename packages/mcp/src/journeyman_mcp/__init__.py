@@ -1,0 +1,3 @@
+"""Journeyman adapter: mcp."""
+
+__all__: list[str] = []
