@@ -15,6 +15,20 @@ from .errors import InvalidFieldError
 from .model import TrainableModel
 from .weights import resolve_base_model
 
+# name -> base URL of every model served in this process (the offline `judge="local"` uses it).
+_LOCAL_ENDPOINTS: dict[str, str] = {}
+
+
+def local_endpoint(name: str | None = None) -> tuple[str, str]:
+    """(model name, base URL) of a model served in this process: `name`, else the latest registered."""
+    if not _LOCAL_ENDPOINTS:
+        raise InvalidFieldError("judge", "local", "no model is served in this process: register one first")
+    if name is None:
+        name = next(reversed(_LOCAL_ENDPOINTS))
+    if name not in _LOCAL_ENDPOINTS:
+        raise InvalidFieldError("model", name, f"not served here; served: {sorted(_LOCAL_ENDPOINTS)}")
+    return name, _LOCAL_ENDPOINTS[name]
+
 
 @dataclass
 class _Service:
@@ -32,7 +46,14 @@ class LocalBackend:
     `engine="torch"` (default) samples in process from the weights the trainer updates.
     """
 
-    def __init__(self, path: str | Path = ".journeyman", *, engine: str = "torch", device: str | None = None, dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        path: str | Path = ".journeyman",
+        *,
+        engine: str = "torch",
+        device: str | None = None,
+        dtype: str = "float32",
+    ) -> None:
         if engine not in ("torch",):
             raise InvalidFieldError("engine", engine, "supported engines: 'torch'")
         self.path = Path(path)
@@ -51,16 +72,21 @@ class LocalBackend:
         self._services[model.name] = await asyncio.to_thread(self._start, model)
 
     def _start(self, model: TrainableModel) -> _Service:
-        from .engine.torch_engine import TorchEngine
-
         weights = resolve_base_model(model.base_model)
         policy = LoraPolicy(weights, model.lora, device=self.device, dtype=self.dtype)
         chat_format = ChatFormat(policy.tokenizer)
-        engine = TorchEngine(policy, chat_format.stop_ids)
+        engine = self._make_engine(weights, policy, chat_format)
         endpoint = Endpoint(engine, chat_format, model.name, default_max_tokens=model.max_tokens)
         server = ServerThread(build_app(endpoint))
+        _LOCAL_ENDPOINTS[model.name] = server.base_url
         self.model_dir(model).mkdir(parents=True, exist_ok=True)
         return _Service(model, policy, chat_format, engine, endpoint, server)
+
+    def _make_engine(self, weights: Path, policy: LoraPolicy, chat_format: ChatFormat) -> Engine:
+        """The engine named by `engine=`; each kind's module is imported only when chosen."""
+        from .engine.torch_engine import TorchEngine
+
+        return TorchEngine(policy, chat_format.stop_ids)
 
     def service(self, model: TrainableModel) -> _Service:
         try:
@@ -79,6 +105,7 @@ class LocalBackend:
 
     def close(self) -> None:
         for s in self._services.values():
+            _LOCAL_ENDPOINTS.pop(s.model.name, None)
             s.server.stop()
             s.engine.close()
         self._services.clear()

@@ -72,7 +72,13 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
                         raise InvalidFieldError(
                             f"messages[{i}].tool_calls[{j}].function.arguments", args, f"not JSON: {e}"
                         ) from e
-                calls.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+                calls.append(
+                    {
+                        "id": call.get("id"),
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": args},
+                    }
+                )
             if calls:
                 msg["tool_calls"] = calls
         elif role == "tool":
@@ -178,10 +184,15 @@ class ChatFormat:
             if isinstance(tid, int) and tid != getattr(tokenizer, "unk_token_id", None):
                 self.stop_ids.add(tid)
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
         return self._compiled.render(
-            messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-            bos_token=self.tokenizer.bos_token or "", eos_token=self.eos_text,
+            messages=messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.tokenizer.bos_token or "",
+            eos_token=self.eos_text,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -207,20 +218,24 @@ class ChatFormat:
             if not full.startswith(prev):  # a template that is not prefix-stable: no splicing possible
                 text = self.render(messages, tools, add_generation_prompt)
                 return self.encode(text), 0
-            segment = full[len(prev):]
+            segment = full[len(prev) :]
             msg = messages[k]
-            turn = sampled.get(assistant_key(msg["content"], msg.get("tool_calls"))) if sampled and msg["role"] == "assistant" else None
+            turn = (
+                sampled.get(assistant_key(msg["content"], msg.get("tool_calls")))
+                if sampled and msg["role"] == "assistant"
+                else None
+            )
             if turn is not None:
-                header = self.render(messages[:k], tools, True)[len(prev):]
+                header = self.render(messages[:k], tools, True)[len(prev) :]
                 end = segment.rfind(self.eos_text)
                 if segment.startswith(header) and end >= 0:
                     body = turn if turn and turn[-1] in self.stop_ids else [*turn, self.eos_id]
-                    ids += self.encode(header) + body + self.encode(segment[end + len(self.eos_text):])
+                    ids += self.encode(header) + body + self.encode(segment[end + len(self.eos_text) :])
                     spliced += 1
                     prev = full
                     continue
             ids += self.encode(segment)
             prev = full
         if add_generation_prompt:
-            ids += self.encode(self.render(messages, tools, True)[len(prev):])
+            ids += self.encode(self.render(messages, tools, True)[len(prev) :])
         return ids, spliced

@@ -51,9 +51,19 @@ class ChatCompletionRequest(BaseModel):
 def _sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
     checks = [
         ("n", req.n, req.n >= 1 and req.n <= 128, "must be between 1 and 128"),
-        ("temperature", req.temperature, req.temperature is None or 0 <= req.temperature <= 2, "must be in [0, 2]"),
+        (
+            "temperature",
+            req.temperature,
+            req.temperature is None or 0 <= req.temperature <= 2,
+            "must be in [0, 2]",
+        ),
         ("top_p", req.top_p, req.top_p is None or 0 < req.top_p <= 1, "must be in (0, 1]"),
-        ("top_logprobs", req.top_logprobs, req.top_logprobs is None or 0 <= req.top_logprobs <= 20, "must be in [0, 20]"),
+        (
+            "top_logprobs",
+            req.top_logprobs,
+            req.top_logprobs is None or 0 <= req.top_logprobs <= 20,
+            "must be in [0, 20]",
+        ),
     ]
     for name, value, ok, reason in checks:
         if not ok:
@@ -89,7 +99,9 @@ def _sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> Sam
 class Endpoint:
     """Serves one trainable model (its current step) through an engine."""
 
-    def __init__(self, engine: Engine, chat_format: ChatFormat, model_name: str, default_max_tokens: int = 1024) -> None:
+    def __init__(
+        self, engine: Engine, chat_format: ChatFormat, model_name: str, default_max_tokens: int = 1024
+    ) -> None:
         self.engine = engine
         self.chat_format = chat_format
         self.model_name = model_name
@@ -106,7 +118,9 @@ class Endpoint:
         samples = await self.engine.generate(prompt_ids, params)
         return self._respond(req, params, messages, prompt_ids, spliced, samples, capture_id)
 
-    def _prepare(self, body: dict[str, Any]) -> tuple[ChatCompletionRequest, SamplingParams, list[dict[str, Any]], list[int], int]:
+    def _prepare(
+        self, body: dict[str, Any]
+    ) -> tuple[ChatCompletionRequest, SamplingParams, list[dict[str, Any]], list[int], int]:
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
@@ -137,8 +151,13 @@ class Endpoint:
             content, calls = parse_completion(s.text) if req.tools else (s.text, [])
             finish = "tool_calls" if calls else s.finish_reason
             record = TokenRecord(
-                prompt_token_ids=prompt_ids, token_ids=s.token_ids, logprobs=s.logprobs, model=name,
-                step=self.engine.step, finish_reason=finish, spliced_turns=spliced,
+                prompt_token_ids=prompt_ids,
+                token_ids=s.token_ids,
+                logprobs=s.logprobs,
+                model=name,
+                step=self.engine.step,
+                finish_reason=finish,
+                spliced_turns=spliced,
             )
             self.sampled.add(assistant_key(content, calls), s.token_ids)
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -167,7 +186,9 @@ class Endpoint:
             },
         }
         if capture_id:
-            self.captures.add(capture_id, CapturedCall(request_messages=messages, tools=req.tools, response=response))
+            self.captures.add(
+                capture_id, CapturedCall(request_messages=messages, tools=req.tools, response=response)
+            )
         return response
 
     def _logprobs(self, s: Sample) -> dict[str, Any]:
@@ -182,7 +203,8 @@ class Endpoint:
                     "logprob": lp,
                     "bytes": list(text.encode()),
                     "top_logprobs": [
-                        {"token": tok.decode([i]), "logprob": v, "bytes": list(tok.decode([i]).encode())} for i, v in top
+                        {"token": tok.decode([i]), "logprob": v, "bytes": list(tok.decode([i]).encode())}
+                        for i, v in top
                     ],
                 }
             )
@@ -190,14 +212,22 @@ class Endpoint:
 
 
 def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}})
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": kind, "param": param, "code": None}},
+    )
 
 
 def _chunks(response: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
     """The finished completion as OpenAI stream chunks (role, content, tool calls, finish)."""
 
     async def gen() -> AsyncIterator[str]:
-        base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"], "model": response["model"]}
+        base = {
+            "id": response["id"],
+            "object": "chat.completion.chunk",
+            "created": response["created"],
+            "model": response["model"],
+        }
         for c in response["choices"]:
             i, msg = c["index"], c["message"]
             deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
@@ -206,8 +236,18 @@ def _chunks(response: dict[str, Any], include_usage: bool) -> AsyncIterator[str]
             for k, call in enumerate(msg.get("tool_calls", [])):
                 deltas.append({"tool_calls": [{"index": k, **call}]})
             for d in deltas:
-                yield "data: " + json.dumps({**base, "choices": [{"index": i, "delta": d, "finish_reason": None}]}) + "\n\n"
-            last = {"index": i, "delta": {}, "finish_reason": c["finish_reason"], "logprobs": c["logprobs"], "journeyman": c["journeyman"]}
+                yield (
+                    "data: "
+                    + json.dumps({**base, "choices": [{"index": i, "delta": d, "finish_reason": None}]})
+                    + "\n\n"
+                )
+            last = {
+                "index": i,
+                "delta": {},
+                "finish_reason": c["finish_reason"],
+                "logprobs": c["logprobs"],
+                "journeyman": c["journeyman"],
+            }
             yield "data: " + json.dumps({**base, "choices": [last]}) + "\n\n"
         if include_usage:
             yield "data: " + json.dumps({**base, "choices": [], "usage": response["usage"]}) + "\n\n"
@@ -221,7 +261,10 @@ def build_app(endpoint: Endpoint) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "journeyman"} for n in endpoint.served_names()]}
+        return {
+            "object": "list",
+            "data": [{"id": n, "object": "model", "owned_by": "journeyman"} for n in endpoint.served_names()],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -261,7 +304,9 @@ class ServerThread:
         self.host, self.port = self.sock.getsockname()[:2]
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="journeyman-endpoint")
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="journeyman-endpoint"
+        )
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:

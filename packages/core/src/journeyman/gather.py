@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .errors import InvalidFieldError, TooManyExceptionsError
+from .observe import GroupContext, emit
 from .types import TrajectoryGroup
 
 AfterEach = Callable[[TrajectoryGroup], TrajectoryGroup | None | Awaitable[TrajectoryGroup | None]]
@@ -31,7 +32,9 @@ async def gather_trajectory_groups(
     its rollouts finish (e.g. `ruler_score_group`) and may return a replacement group.
     """
     if isinstance(max_exceptions, bool) or not isinstance(max_exceptions, int | float) or max_exceptions < 0:
-        raise InvalidFieldError("max_exceptions", max_exceptions, "must be a count >= 0 or a fraction in (0, 1)")
+        raise InvalidFieldError(
+            "max_exceptions", max_exceptions, "must be a count >= 0 or a fraction in (0, 1)"
+        )
     items = [g if isinstance(g, TrajectoryGroup) else await g for g in groups]
     total = sum(len(g.pending) + len(g.trajectories) + len(g.exceptions) for g in items)
     limit = max_exceptions * total if 0 < max_exceptions < 1 else max_exceptions
@@ -62,6 +65,7 @@ async def gather_trajectory_groups(
     finally:
         bar.close()
     kept = [g for g in done if g.trajectories]
+    emit(kept, GroupContext(source="gather"))
     if failed > limit:
         raise TooManyExceptionsError(failed, total, max_exceptions, kept)
     return kept

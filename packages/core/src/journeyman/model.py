@@ -42,7 +42,9 @@ class TrainableModel(BaseModel):
 
     name: str
     project: str
-    base_model: str = Field(DEFAULT_BASE_MODEL, description="embedded model name, local HF directory, or hub id")
+    base_model: str = Field(
+        DEFAULT_BASE_MODEL, description="embedded model name, local HF directory, or hub id"
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig)
     max_tokens: int = Field(1024, ge=1, description="default max_tokens for requests that set none")
 
@@ -61,7 +63,9 @@ class TrainableModel(BaseModel):
     @property
     def backend(self) -> LocalBackend:
         if self._backend is None:
-            raise JourneymanError(f"model {self.name!r} is not registered: call `await model.register(backend)` first")
+            raise JourneymanError(
+                f"model {self.name!r} is not registered: call `await model.register(backend)` first"
+            )
         return self._backend
 
     @property
@@ -75,7 +79,9 @@ class TrainableModel(BaseModel):
     def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
         """An AsyncOpenAI client for this model's endpoint; requests inside `capture()` are tagged."""
         http = httpx.AsyncClient(event_hooks={"request": [add_capture_header]}, timeout=httpx.Timeout(600.0))
-        return AsyncOpenAI(base_url=self.inference_base_url, api_key=self.inference_api_key, http_client=http, **kwargs)
+        return AsyncOpenAI(
+            base_url=self.inference_base_url, api_key=self.inference_api_key, http_client=http, **kwargs
+        )
 
     async def get_step(self) -> int:
         return self.backend.step(self)

@@ -28,7 +28,9 @@ class TokenRecord(BaseModel):
     model: str
     step: int = Field(description="training step of the policy that sampled these tokens")
     finish_reason: Literal["stop", "length", "tool_calls"]
-    spliced_turns: int = Field(0, description="earlier assistant turns given to the engine as their sampled ids")
+    spliced_turns: int = Field(
+        0, description="earlier assistant turns given to the engine as their sampled ids"
+    )
 
 
 def record_of(choice: Choice) -> TokenRecord | None:
@@ -49,7 +51,9 @@ def _as_choice_or_message(item: Any) -> MessageOrChoice:
         return Choice.model_validate(item)
     if isinstance(item, dict) and "role" in item:
         return item
-    raise InvalidFieldError("messages_and_choices[]", item, "expected a chat message dict or a completion Choice")
+    raise InvalidFieldError(
+        "messages_and_choices[]", item, "expected a chat message dict or a completion Choice"
+    )
 
 
 class History(BaseModel):
@@ -71,13 +75,17 @@ class History(BaseModel):
         out = []
         for item in self.messages_and_choices:
             if isinstance(item, Choice):
-                out.append(item.message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"}))
+                out.append(
+                    item.message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"})
+                )
             else:
                 out.append(item)
         return out
 
     def records(self) -> list[TokenRecord]:
-        return [r for item in self.messages_and_choices if isinstance(item, Choice) and (r := record_of(item))]
+        return [
+            r for item in self.messages_and_choices if isinstance(item, Choice) and (r := record_of(item))
+        ]
 
 
 class Trajectory(History):
@@ -116,7 +124,9 @@ class TrajectoryGroup(BaseModel):
     exceptions: list[RolloutException] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
-    def __init__(self, trajectories: Iterable[Trajectory | Awaitable[Trajectory]] | None = None, /, **data: Any) -> None:
+    def __init__(
+        self, trajectories: Iterable[Trajectory | Awaitable[Trajectory]] | None = None, /, **data: Any
+    ) -> None:
         items = list(trajectories if trajectories is not None else data.pop("trajectories", []))
         pending = [t for t in items if not isinstance(t, Trajectory | dict)]
         done = [t for t in items if isinstance(t, Trajectory | dict)]

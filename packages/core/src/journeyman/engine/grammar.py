@@ -15,7 +15,9 @@ class GrammarCache:
 
         self._xgr = xgr
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+        self._compiler = xgr.GrammarCompiler(
+            xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        )
         self._compiled: dict[str, Any] = {}
 
     def matcher(self, schema: str) -> Any:

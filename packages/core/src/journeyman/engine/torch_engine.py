@@ -45,7 +45,9 @@ class _Row:
 
 
 class TorchEngine(Engine):
-    def __init__(self, policy: LoraPolicy, stop_ids: set[int], max_batch_rows: int = 64, batch_wait_s: float = 0.02) -> None:
+    def __init__(
+        self, policy: LoraPolicy, stop_ids: set[int], max_batch_rows: int = 64, batch_wait_s: float = 0.02
+    ) -> None:
         self.policy = policy
         self.tokenizer = policy.tokenizer
         self.stop_ids = stop_ids
@@ -70,9 +72,8 @@ class TorchEngine(Engine):
         return await job.future
 
     async def load_adapter(self, path: Path, step: int) -> None:
-        # The trainer updated these very weights; loading only matters when resuming from disk.
-        if path is not None and (path / "adapter_model.safetensors").exists() and step != self.step:
-            await asyncio.to_thread(self.policy.load, path)
+        # The trainer updated these very weights in place (and a resume loads them into the policy
+        # before serving), so there is nothing to transfer: only the served step changes.
         self.step = step
 
     def close(self) -> None:
@@ -115,7 +116,12 @@ class TorchEngine(Engine):
     def _run(self, jobs: list[_Job]) -> list[list[Sample]]:
         self.batches += 1
         rows = [
-            _Row(job, k, _generator(job.params.seed, k, self.policy.device), self._grammar(job.params.json_schema))
+            _Row(
+                job,
+                k,
+                _generator(job.params.seed, k, self.policy.device),
+                self._grammar(job.params.json_schema),
+            )
             for job in jobs
             for k in range(job.params.n)
         ]
@@ -128,14 +134,21 @@ class TorchEngine(Engine):
             ids = torch.full((len(jobs), width), pad, dtype=torch.long)
             mask = torch.zeros((len(jobs), width), dtype=torch.long)
             for i, j in enumerate(jobs):
-                ids[i, width - len(j.prompt_ids):] = torch.tensor(j.prompt_ids)
-                mask[i, width - len(j.prompt_ids):] = 1
+                ids[i, width - len(j.prompt_ids) :] = torch.tensor(j.prompt_ids)
+                mask[i, width - len(j.prompt_ids) :] = 1
             ids, mask = ids.to(device), mask.to(device)
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             from transformers import DynamicCache
 
             cache = DynamicCache()
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             fan = torch.tensor([i for i, j in enumerate(jobs) for _ in range(j.params.n)], device=device)
             cache.reorder_cache(fan)
             logits = out.logits[:, -1, :].float()[fan]
@@ -157,7 +170,9 @@ class TorchEngine(Engine):
                     row.logprobs.append(chosen[b])
                     if top is not None and row.job.params.top_logprobs:
                         k = row.job.params.top_logprobs
-                        row.top.append(list(zip(top.indices[b, :k].tolist(), top.values[b, :k].tolist(), strict=True)))
+                        row.top.append(
+                            list(zip(top.indices[b, :k].tolist(), top.values[b, :k].tolist(), strict=True))
+                        )
                     if row.grammar is not None:
                         row.grammar.accept_token(tok)
                     self._check_finished(row)
@@ -172,18 +187,30 @@ class TorchEngine(Engine):
                     live = [live[b] for b in keep]
                 mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
                 pos = pos + 1
-                out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+                out = model(
+                    input_ids=nxt[:, None],
+                    attention_mask=mask,
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
                 logits = out.logits[:, -1, :].float()
         results: list[list[Sample]] = [[] for _ in jobs]
         slot = {id(j): i for i, j in enumerate(jobs)}
         for row in rows:
             if row.finish is None:
                 row.finish = "length"
-            text = row.text if row.text is not None else self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            text = (
+                row.text
+                if row.text is not None
+                else self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            )
             results[slot[id(row.job)]].append(Sample(row.tokens, row.logprobs, row.finish, text, row.top))
         return results
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Row], temps: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, rows: list[_Row], temps: torch.Tensor, top_ps: torch.Tensor
+    ) -> torch.Tensor:
         for b, row in enumerate(rows):
             if row.grammar is not None:
                 self._grammars.mask(row.grammar, logits, b)
@@ -204,9 +231,7 @@ class TorchEngine(Engine):
 
     def _check_finished(self, row: _Row) -> None:
         p = row.job.params
-        if row.tokens[-1] in self.stop_ids:
-            row.finish = "stop"
-        elif row.grammar is not None and row.grammar.is_terminated():
+        if row.tokens[-1] in self.stop_ids or (row.grammar is not None and row.grammar.is_terminated()):
             row.finish = "stop"
         elif p.stop:
             tail = self.tokenizer.decode(row.tokens[-24:], skip_special_tokens=True)
