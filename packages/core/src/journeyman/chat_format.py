@@ -11,6 +11,7 @@ Two jobs, one place:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -81,9 +82,8 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
                 )
             if calls:
                 msg["tool_calls"] = calls
-        elif role == "tool":
-            if "tool_call_id" in m:
-                msg["tool_call_id"] = m["tool_call_id"]
+        elif role == "tool" and "tool_call_id" in m:
+            msg["tool_call_id"] = m["tool_call_id"]
         if role != "assistant" and "content" not in m:
             raise InvalidFieldError(f"messages[{i}].content", None, f"a {role} message needs content")
         out.append(msg)
@@ -96,10 +96,8 @@ def assistant_key(content: str | None, tool_calls: Sequence[dict[str, Any]] | No
     for call in tool_calls or []:
         args = call["function"]["arguments"]
         if isinstance(args, str):
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 args = json.loads(args or "{}")
-            except json.JSONDecodeError:
-                pass
         calls.append([call["function"]["name"], args])
     return json.dumps([(content or "").strip(), calls], sort_keys=True, ensure_ascii=False)
 

@@ -13,7 +13,7 @@ from .errors import InvalidFieldError, TooManyExceptionsError
 from .observe import GroupContext, emit
 from .types import TrajectoryGroup
 
-AfterEach = Callable[[TrajectoryGroup], TrajectoryGroup | None | Awaitable[TrajectoryGroup | None]]
+AfterEach = Callable[[TrajectoryGroup], TrajectoryGroup | Awaitable[TrajectoryGroup | None] | None]
 
 
 async def gather_trajectory_groups(
