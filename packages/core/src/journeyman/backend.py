@@ -11,6 +11,7 @@ from .capture import CapturedCall
 from .chat_format import ChatFormat
 from .endpoint import Endpoint, ServerThread, build_app
 from .engine import Engine
+from .engine.vllm_server import VLLMConfig
 from .errors import InvalidFieldError
 from .model import TrainableModel
 from .weights import resolve_base_model
@@ -44,18 +45,21 @@ class LocalBackend:
     """Runs engine, endpoint and trainer for each registered model in this process.
 
     `engine="torch"` (default) samples in process from the weights the trainer updates.
+    `engine="vllm"` (or a `VLLMConfig`) samples through a vLLM server process that hot-loads each step's adapter.
     """
 
     def __init__(
         self,
         path: str | Path = ".journeyman",
         *,
-        engine: str = "torch",
+        engine: str | VLLMConfig = "torch",
         device: str | None = None,
         dtype: str = "float32",
     ) -> None:
-        if engine not in ("torch",):
-            raise InvalidFieldError("engine", engine, "supported engines: 'torch'")
+        self.vllm_config = engine if isinstance(engine, VLLMConfig) else VLLMConfig()
+        engine = "vllm" if isinstance(engine, VLLMConfig) else engine
+        if engine not in ("torch", "vllm"):
+            raise InvalidFieldError("engine", engine, "supported engines: 'torch', 'vllm' (or a VLLMConfig)")
         self.path = Path(path)
         self.engine_kind = engine
         self.device = device
@@ -84,6 +88,12 @@ class LocalBackend:
 
     def _make_engine(self, weights: Path, policy: LoraPolicy, chat_format: ChatFormat) -> Engine:
         """The engine named by `engine=`; each kind's module is imported only when chosen."""
+        if self.engine_kind == "vllm":
+            from .engine.vllm_engine import VLLMEngine
+
+            return VLLMEngine(
+                weights, chat_format.stop_ids, self.vllm_config, dtype=self.dtype, lora_rank=policy.lora.r
+            )
         from .engine.torch_engine import TorchEngine
 
         return TorchEngine(policy, chat_format.stop_ids)

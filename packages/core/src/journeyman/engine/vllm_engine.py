@@ -1,0 +1,236 @@
+"""The vLLM engine: token-id prompts sampled by a vLLM server process, LoRA hot-loaded per step.
+
+Our endpoint stays in front: it renders messages to prompt ids (splicing earlier sampled turns) and
+parses tool calls; this engine only samples. Each call goes to vLLM's `/v1/completions` with the
+prompt *as token ids* and `return_token_ids`, so the ids and logprobs we record are exactly what
+vLLM sampled and scored — no detokenize/retokenize round trip. vLLM's logprobs are raw (temperature
+1, before top-p), the quantity the trainer computes (the server is started with
+`--logprobs-mode raw_logprobs` to pin that).
+
+Each training step is served under its own LoRA name (`policy@<step>`): requests already running
+finish on the adapter they started with, and vLLM's prefix cache never mixes two steps' weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ..errors import InvalidFieldError, JourneymanError
+from .base import Engine, Sample, SamplingParams
+from .vllm_server import VLLMConfig, VLLMServer
+
+log = logging.getLogger("journeyman.vllm")
+
+_BASE_NAME = "policy"
+_TOKEN_ID = "token_id:"
+
+
+class VLLMRequestError(JourneymanError, RuntimeError):
+    """vLLM refused or failed a request; the message carries its status and error text."""
+
+
+class VLLMEngine(Engine):
+    """Samples through a vLLM OpenAI server that this engine starts, supervises and stops."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        stop_ids: set[int],
+        config: VLLMConfig | None = None,
+        *,
+        dtype: str = "float32",
+        lora_rank: int = 8,
+    ) -> None:
+        self.config = config or VLLMConfig()
+        self.stop_ids = sorted(stop_ids)
+        self.server = VLLMServer(
+            model_dir, self.config, served_name=_BASE_NAME, dtype=dtype, lora_rank=lora_rank
+        )
+        self.step = 0
+        self.adapter_load_seconds: list[float] = []
+        self._served = 0
+        self._adapters: list[str] = []  # LoRA names registered in vLLM, oldest first
+        # httpx clients are bound to the event loop they were first used on; the endpoint's server
+        # thread and the caller's loop (training, tests) each get their own.
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._awake = threading.Event()  # cleared while vLLM sleeps through a training step
+        self._awake.set()
+        self._warned_sleep = False
+        self.server.start()
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
+
+    @property
+    def requests_served(self) -> int:
+        return self._served
+
+    @property
+    def served_model(self) -> str:
+        """The vLLM model name requests use now: the newest step's adapter, or the base model."""
+        return self._adapters[-1] if self._adapters else _BASE_NAME
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            client = httpx.AsyncClient(
+                base_url=self.server.base_url,
+                timeout=httpx.Timeout(self.config.request_timeout_s, connect=10.0),
+                limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            )
+            self._clients[loop] = client
+        return client
+
+    async def _post(self, path: str, body: dict[str, Any], what: str) -> httpx.Response:
+        try:
+            resp = await self._client().post(path, json=body)
+        except httpx.HTTPError as e:
+            alive = "running" if self.server.alive() else "exited"
+            raise VLLMRequestError(
+                f"{what}: {type(e).__name__}: {e} (vLLM server {alive}; log tail:)\n{self.server.log_tail(20)}"
+            ) from e
+        if resp.status_code != 200:
+            raise VLLMRequestError(f"{what}: vLLM answered {resp.status_code}: {resp.text[:2000]}")
+        return resp
+
+    # -- sampling ----------------------------------------------------------------------------------
+
+    def request_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+        """The `/v1/completions` body for one prompt (fields as vLLM 0.32's CompletionRequest names them)."""
+        body: dict[str, Any] = {
+            "model": self.served_model,
+            "prompt": prompt_ids,  # token ids: vLLM does not tokenize, so no BOS/whitespace drift
+            "n": params.n,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_tokens": params.max_tokens,
+            "stop": params.stop,
+            "stop_token_ids": self.stop_ids,
+            "seed": params.seed,
+            "logprobs": max(1, params.top_logprobs),
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,  # top-logprob keys as ids, not lossy strings
+            "skip_special_tokens": True,
+        }
+        if params.json_schema is not None:
+            body["structured_outputs"] = {"json": json.loads(params.json_schema)}
+        return body
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+        if not self._awake.is_set():  # a training step has the GPU: wait for it, on any event loop
+            await asyncio.to_thread(self._awake.wait)
+        resp = await self._post("/v1/completions", self.request_body(prompt_ids, params), "completion")
+        data = resp.json()
+        samples = [_sample(choice, params.top_logprobs) for choice in sorted(data["choices"], key=_index)]
+        self._served += 1
+        return samples
+
+    # -- training side -----------------------------------------------------------------------------
+
+    async def load_adapter(self, path: Path, step: int) -> None:
+        """Load the PEFT adapter saved at `path` as `policy@<step>`; later requests use it."""
+        name = f"{_BASE_NAME}@{step}"
+        path = Path(path).resolve()
+        if not (path / "adapter_config.json").exists():
+            raise InvalidFieldError(
+                "path", str(path), "is not a PEFT adapter directory (no adapter_config.json)"
+            )
+        t0 = time.perf_counter()
+        # A fresh client: this runs on whatever loop the trainer uses, possibly a short-lived one.
+        async with httpx.AsyncClient(
+            base_url=self.server.base_url, timeout=self.config.request_timeout_s
+        ) as c:
+            body = {"lora_name": name, "lora_path": str(path), "load_inplace": name in self._adapters}
+            resp = await c.post("/v1/load_lora_adapter", json=body)
+            if resp.status_code != 200:
+                raise VLLMRequestError(
+                    f"load_lora_adapter {name} from {path}: {resp.status_code}: {resp.text[:2000]}"
+                )
+            if name in self._adapters:
+                self._adapters.remove(name)
+            self._adapters.append(name)
+            self.step = step
+            # Keep the newest two registered (requests still running may use the previous one).
+            while len(self._adapters) > 2:
+                old = self._adapters.pop(0)
+                r = await c.post("/v1/unload_lora_adapter", json={"lora_name": old})
+                if r.status_code != 200:
+                    log.warning("could not unload %s from vLLM: %s", old, r.text[:300])
+        seconds = time.perf_counter() - t0
+        self.adapter_load_seconds.append(seconds)
+        log.info("vLLM serves step %d (adapter %s) after a %.3f s load", step, path, seconds)
+
+    async def sleep(self) -> None:
+        """Free the GPU for a training step (vLLM sleep level 1: weights to CPU, KV cache dropped)."""
+        if not self.server.sleep_mode:
+            if not self._warned_sleep:
+                log.info("vLLM sleep mode is off (not supported on CPU): the server stays up during training")
+                self._warned_sleep = True
+            return
+        async with httpx.AsyncClient(
+            base_url=self.server.base_url, timeout=self.config.request_timeout_s
+        ) as c:
+            # mode=wait: requests in flight finish before the engine sleeps, instead of being aborted.
+            resp = await c.post("/sleep", params={"level": 1, "mode": "wait"})
+            if resp.status_code != 200:
+                raise VLLMRequestError(f"sleep: {resp.status_code}: {resp.text[:500]}")
+        self._awake.clear()
+
+    async def wake(self) -> None:
+        if self._awake.is_set():
+            return
+        async with httpx.AsyncClient(
+            base_url=self.server.base_url, timeout=self.config.request_timeout_s
+        ) as c:
+            resp = await c.post("/wake_up")
+            if resp.status_code != 200:
+                raise VLLMRequestError(f"wake_up: {resp.status_code}: {resp.text[:500]}")
+        self._awake.set()
+
+    def close(self) -> None:
+        self.server.stop()
+        self._awake.set()
+        # Clients bound to other loops cannot be awaited here; drop them (the server is gone anyway).
+        self._clients.clear()
+
+
+def _index(choice: dict[str, Any]) -> int:
+    return int(choice.get("index", 0))
+
+
+def _token_id(token: str) -> int:
+    return int(token[len(_TOKEN_ID) :]) if token.startswith(_TOKEN_ID) else -1
+
+
+def _sample(choice: dict[str, Any], top_k: int) -> Sample:
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        raise VLLMRequestError(
+            "vLLM returned no token_ids (return_token_ids is not supported by this version)"
+        )
+    lp = choice.get("logprobs") or {}
+    logprobs = [float(x) if x is not None else float("nan") for x in lp.get("token_logprobs") or []]
+    if len(logprobs) != len(token_ids):
+        raise VLLMRequestError(f"vLLM returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
+    top: list[list[tuple[int, float]]] = []
+    if top_k:
+        for entry in lp.get("top_logprobs") or []:
+            ranked = sorted(((_token_id(t), v) for t, v in (entry or {}).items()), key=lambda x: -x[1])
+            top.append(ranked[:top_k])
+    finish = choice.get("finish_reason") or "length"
+    if finish not in ("stop", "length"):  # "abort" / "error": the sample is incomplete
+        raise VLLMRequestError(f"vLLM finished a sample with finish_reason={finish!r}")
+    return Sample(list(token_ids), logprobs, finish, choice.get("text", ""), top)

@@ -1,0 +1,353 @@
+"""Start and supervise vLLM's OpenAI-compatible server as a child process on 127.0.0.1.
+
+vLLM pins its own torch, so it usually lives in a separate virtual environment: the interpreter
+that runs it is configurable (`VLLMConfig.python`). The child never outlives this process: it is
+started from a supervisor thread that lives as long as the child, with PR_SET_PDEATHSIG on Linux (the
+kernel sends SIGTERM when that thread's process dies, even on SIGKILL), in its own process group (so
+`close` also reaches vLLM's engine-core subprocesses), and an `atexit` hook stops it on a normal exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import InvalidFieldError, JourneymanError
+from . import vllm_env
+
+log = logging.getLogger("journeyman.vllm")
+
+# vLLM accepts only these LoRA ranks for --max-lora-rank.
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class VLLMConfig(BaseModel):
+    """How to run vLLM as the engine: `jm.LocalBackend(engine=jm.VLLMConfig(...))`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    python: str | None = Field(
+        None,
+        description="interpreter that runs vLLM (vLLM pins its own torch: a separate venv is normal). "
+        "Default: this interpreter if it can import vllm, else the environment built by "
+        "`python -m journeyman.engine.vllm_env` ($JOURNEYMAN_VLLM_ENV).",
+    )
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="fraction of GPU memory vLLM may take (CUDA). The trainer shares the GPU: vLLM sleeps "
+        "during each training step, but the trainer's own weights stay resident.",
+    )
+    max_model_len: int = Field(4096, ge=16, description="prompt + completion tokens per sequence")
+    dtype: str | None = Field(
+        None, description="vLLM --dtype; default: the backend's dtype (float32 on CPU: bf16 logprobs drift)"
+    )
+    max_loras: int = Field(
+        2, ge=1, description="adapters resident at once (the newest step and the one before)"
+    )
+    max_lora_rank: int | None = Field(
+        None, description="default: the model's LoRA rank, rounded up to one vLLM accepts"
+    )
+    sleep_mode: bool | None = Field(
+        None,
+        description="sleep during training steps to free the GPU for the trainer. Default: on when CUDA is "
+        "available; vLLM does not support sleep on CPU.",
+    )
+    cpu_kvcache_gb: float = Field(
+        2.0, gt=0.0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB"
+    )
+    startup_timeout_s: float = Field(
+        600.0, gt=0.0, description="how long to wait for the server to become healthy"
+    )
+    request_timeout_s: float = Field(900.0, gt=0.0, description="per-request HTTP timeout")
+    extra_args: list[str] = Field(default_factory=list, description="more `api_server` flags, appended last")
+    env: dict[str, str] = Field(default_factory=dict, description="more environment variables for the server")
+    log_file: str | None = Field(None, description="where the server's output goes; default: a temp file")
+
+
+class VLLMStartError(JourneymanError, RuntimeError):
+    """The vLLM server exited or did not become healthy in time. The message ends with its log's tail."""
+
+
+def resolve_python(config: VLLMConfig) -> str:
+    """The interpreter to run vLLM with (see `VLLMConfig.python`)."""
+    if config.python:
+        if not Path(config.python).exists():
+            raise InvalidFieldError("python", config.python, "no such interpreter")
+        return config.python
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    if vllm_env.is_provisioned():
+        return str(vllm_env.env_python())
+    raise InvalidFieldError(
+        "python",
+        None,
+        "this interpreter cannot import vllm and no vLLM environment is provisioned; "
+        + vllm_env.provision_hint()
+        + ' (on CUDA: pip install "journeyman[vllm]" or point VLLMConfig.python at a venv with vllm)',
+    )
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def lora_rank_for(r: int) -> int:
+    for rank in _LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise InvalidFieldError("lora.r", r, f"vLLM serves LoRA ranks up to {_LORA_RANKS[-1]}")
+
+
+class VLLMServer:
+    """One vLLM OpenAI server process serving `model_dir` (base name `served_name`) with runtime LoRA."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        config: VLLMConfig,
+        *,
+        served_name: str = "base",
+        dtype: str = "float32",
+        lora_rank: int = 8,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.config = config
+        self.served_name = served_name
+        self.dtype = config.dtype or dtype
+        self.lora_rank = config.max_lora_rank or lora_rank_for(lora_rank)
+        self.python = resolve_python(config)
+        self.cuda = cuda_available()
+        self.sleep_mode = self.cuda if config.sleep_mode is None else config.sleep_mode
+        self.port = 0
+        self.log_path = Path(config.log_file) if config.log_file else self._temp_log()
+        self.startup_seconds = 0.0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._watcher: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def command(self) -> list[str]:
+        c = self.config
+        cmd = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",  # `vllm serve` fails with vllm-cpu's package metadata
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_name,
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(c.max_model_len),
+            "--enable-lora",
+            "--max-lora-rank",
+            str(self.lora_rank),
+            "--max-loras",
+            str(c.max_loras),
+            # Our trainer computes raw (temperature-1, unfiltered) logprobs; ask vLLM for the same.
+            "--logprobs-mode",
+            "raw_logprobs",
+            # Defaults come from the request, not the model's generation_config.json.
+            "--generation-config",
+            "vllm",
+            "--disable-uvicorn-access-log",
+        ]
+        if self.cuda:
+            cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        if self.sleep_mode:
+            cmd += ["--enable-sleep-mode"]
+        return cmd + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # The parent's venv must not leak into vLLM's interpreter.
+        for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+            env.pop(key, None)
+        ncpu = os.cpu_count() or 1
+        env.update(
+            {
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": f"{self.config.cpu_kvcache_gb:g}",
+            }
+        )
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}")
+        if self.sleep_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep and /wake_up
+        env.update(self.config.env)
+        return env
+
+    def start(self) -> None:
+        """Start the process and block until `/health` answers (or raise `VLLMStartError`)."""
+        t0 = time.monotonic()
+        for attempt in range(2):  # a second try only if another process took our free port
+            self.port = free_port()
+            self._spawn()
+            try:
+                self._wait_healthy(t0 + self.config.startup_timeout_s)
+                break
+            except VLLMStartError:
+                self.stop()
+                if attempt == 0 and "address already in use" in self.log_tail(40).lower():
+                    self._closed = False
+                    continue
+                raise
+        self.startup_seconds = time.monotonic() - t0
+        log.info("vLLM ready on %s in %.1f s (log: %s)", self.base_url, self.startup_seconds, self.log_path)
+
+    def _spawn(self) -> None:
+        cmd, env = self.command(), self.environment()
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def supervise() -> None:
+            # Popen from this thread: PR_SET_PDEATHSIG fires when the *thread* that forked the child
+            # exits, so that thread must live exactly as long as the child.
+            try:
+                with open(self.log_path, "ab") as out:
+                    self._proc = subprocess.Popen(
+                        cmd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        cwd=tempfile.gettempdir(),
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                    )
+            except BaseException as e:
+                failure.append(e)
+                started.set()
+                return
+            started.set()
+            self._proc.wait()
+
+        self._watcher = threading.Thread(target=supervise, name="journeyman-vllm-supervisor", daemon=True)
+        self._watcher.start()
+        started.wait()
+        if failure:
+            raise VLLMStartError(f"could not start {cmd[0]}: {failure[0]}") from failure[0]
+        _LIVE.add(self)
+        log.info("starting vLLM: %s", " ".join(cmd))
+
+    def _wait_healthy(self, deadline: float) -> None:
+        assert self._proc is not None
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    raise VLLMStartError(
+                        f"the vLLM server exited with code {code} before it was ready "
+                        f"(log: {self.log_path}):\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.base_url}/health").status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise VLLMStartError(
+                        f"the vLLM server was not healthy after {self.config.startup_timeout_s:.0f} s "
+                        f"(VLLMConfig.startup_timeout_s; log: {self.log_path}):\n{self.log_tail()}"
+                    )
+                time.sleep(0.5)
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(deque(f, maxlen=lines)).rstrip()
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after `timeout`. Idempotent."""
+        self._closed = True
+        _LIVE.discard(self)
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("vLLM (pid %d) ignored SIGTERM for %.0f s; killing it", proc.pid, timeout)
+        # vLLM's engine-core workers share the group; make sure none outlives the server.
+        _signal_group(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+
+    def _temp_log(self) -> Path:
+        fd, name = tempfile.mkstemp(prefix="journeyman-vllm-", suffix=".log")
+        os.close(fd)
+        return Path(name)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)  # start_new_session: the group id is the server's pid
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGTERM me when my parent (thread) dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# Servers still running; stopped at interpreter exit (a normal exit, an unhandled exception).
+_LIVE: set[VLLMServer] = set()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        server.stop(timeout=10)
