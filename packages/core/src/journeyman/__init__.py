@@ -14,6 +14,7 @@ from .errors import (
 )
 from .gather import gather_trajectory_groups
 from .model import TrainableModel
+from .train import TrainConfig, TrainResult
 from .types import History, RolloutException, TokenRecord, Trajectory, TrajectoryGroup, record_of
 from .weights import DEFAULT_BASE_MODEL
 
@@ -31,6 +32,8 @@ __all__ = [
     "RolloutException",
     "TokenRecord",
     "TooManyExceptionsError",
+    "TrainConfig",
+    "TrainResult",
     "TrainableModel",
     "Trajectory",
     "TrajectoryGroup",

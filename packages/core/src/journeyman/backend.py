@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +17,32 @@ from .engine import Engine
 from .engine.vllm_server import VLLMConfig
 from .errors import InvalidFieldError
 from .model import TrainableModel
+from .observe import GroupContext, emit
+from .store import RunStore
+from .train import GRPOTrainer, TrainConfig, TrainResult
+from .types import TrajectoryGroup
 from .weights import resolve_base_model
+
+log = logging.getLogger("journeyman")
+
+
+def _prefixed(split: str, metrics: dict[str, float]) -> dict[str, float]:
+    return {f"{split}/{k}": v for k, v in metrics.items()}
+
+
+def _check_groups(groups: Sequence[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    groups = list(groups)
+    if not groups:
+        raise InvalidFieldError("groups", groups, "need at least one TrajectoryGroup")
+    for i, g in enumerate(groups):
+        if not isinstance(g, TrajectoryGroup):
+            raise InvalidFieldError(f"groups[{i}]", g, "expected a TrajectoryGroup")
+        if g.pending:
+            raise InvalidFieldError(
+                f"groups[{i}]", f"{len(g.pending)} pending rollouts", "await the group (or gather it) first"
+            )
+    return groups
+
 
 # name -> base URL of every model served in this process (the offline `judge="local"` uses it).
 _LOCAL_ENDPOINTS: dict[str, str] = {}
@@ -39,6 +67,8 @@ class _Service:
     engine: Engine
     endpoint: Endpoint
     server: ServerThread
+    store: RunStore
+    trainer: GRPOTrainer
 
 
 class LocalBackend:
@@ -81,10 +111,19 @@ class LocalBackend:
         chat_format = ChatFormat(policy.tokenizer)
         engine = self._make_engine(weights, policy, chat_format)
         endpoint = Endpoint(engine, chat_format, model.name, default_max_tokens=model.max_tokens)
+        store = RunStore(self.model_dir(model))
+        trainer = GRPOTrainer(policy, chat_format)
+        step = store.latest_step()
+        if step > 0:  # resume: the last checkpoint's adapter and optimizer state
+            ckpt = store.checkpoint_dir(step)
+            policy.load(ckpt)
+            trainer.load_optimizer(ckpt)
+            engine.step = step
+        else:
+            store.write_state(0, base_model=model.base_model)
         server = ServerThread(build_app(endpoint))
         _LOCAL_ENDPOINTS[model.name] = server.base_url
-        self.model_dir(model).mkdir(parents=True, exist_ok=True)
-        return _Service(model, policy, chat_format, engine, endpoint, server)
+        return _Service(model, policy, chat_format, engine, endpoint, server, store, trainer)
 
     def _make_engine(self, weights: Path, policy: LoraPolicy, chat_format: ChatFormat) -> Engine:
         """The engine named by `engine=`; each kind's module is imported only when chosen."""
@@ -112,6 +151,78 @@ class LocalBackend:
 
     def pop_captures(self, model: TrainableModel, capture_id: str) -> list[CapturedCall]:
         return self.service(model).endpoint.captures.pop(capture_id)
+
+    async def train(
+        self, model: TrainableModel, groups: Sequence[TrajectoryGroup], config: TrainConfig | None = None
+    ) -> TrainResult:
+        """One training step on `groups`; the endpoint serves the new step when this returns.
+
+        The groups are written to `trajectories/train/<step>.jsonl` before the update, so a crash
+        loses nothing; the adapter and optimizer go to `checkpoints/<step+1>/` after it.
+        """
+        config = config or TrainConfig()
+        s = self.service(model)
+        groups = _check_groups(groups)
+        step = s.engine.step
+        s.store.write_groups(groups, "train", step)
+        emit(
+            groups,
+            GroupContext(project=model.project, model=model.name, step=step, split="train", source="train"),
+        )
+        sleep, wake = getattr(s.engine, "sleep", None), getattr(s.engine, "wake", None)
+        if sleep is not None:
+            await sleep()
+        try:
+            updated, metrics = await asyncio.to_thread(s.trainer.step, groups, config)
+        finally:
+            if wake is not None:
+                await wake()
+        if not updated:
+            log.warning(
+                "step %d skipped: none of the %d groups has rewards that differ (nothing to learn from)",
+                step,
+                len(groups),
+            )
+            s.store.append_history(
+                {"step": step, "split": "train", "skipped": True, **_prefixed("train", metrics)}
+            )
+            return TrainResult(step=step, metrics=metrics, skipped=True)
+        new_step = step + 1
+        ckpt = s.store.checkpoint_dir(new_step)
+        await asyncio.to_thread(s.policy.save, ckpt)
+        await asyncio.to_thread(s.trainer.save_optimizer, ckpt)
+        t0 = time.perf_counter()
+        await s.engine.load_adapter(ckpt, new_step)
+        metrics["adapter_load_seconds"] = time.perf_counter() - t0
+        s.store.write_state(new_step, base_model=model.base_model)
+        s.store.append_history({"step": step, "split": "train", **_prefixed("train", metrics)})
+        return TrainResult(step=new_step, metrics=metrics)
+
+    async def log(
+        self, model: TrainableModel, groups: Sequence[TrajectoryGroup], split: str = "val"
+    ) -> dict[str, float]:
+        """Record groups (e.g. an evaluation) without training: trajectories and a history row."""
+        s = self.service(model)
+        groups = _check_groups(groups)
+        step = s.engine.step
+        s.store.write_groups(groups, split, step)
+        emit(
+            groups,
+            GroupContext(project=model.project, model=model.name, step=step, split=split, source="log"),
+        )
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        metrics: dict[str, float] = {
+            "reward": sum(rewards) / max(1, len(rewards)),
+            "trajectories": float(len(rewards)),
+        }
+        for key in sorted({k for g in groups for t in g.trajectories for k in t.metrics}):
+            vals = [float(t.metrics[key]) for g in groups for t in g.trajectories if key in t.metrics]
+            metrics[key] = sum(vals) / len(vals)
+        s.store.append_history({"step": step, "split": split, **_prefixed(split, metrics)})
+        return metrics
+
+    def store(self, model: TrainableModel) -> RunStore:
+        return self.service(model).store
 
     def close(self) -> None:
         for s in self._services.values():

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -18,6 +19,8 @@ from .weights import DEFAULT_BASE_MODEL
 
 if TYPE_CHECKING:
     from .backend import LocalBackend
+    from .train import TrainConfig, TrainResult
+    from .types import TrajectoryGroup
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -85,6 +88,24 @@ class TrainableModel(BaseModel):
 
     async def get_step(self) -> int:
         return self.backend.step(self)
+
+    async def train(
+        self, groups: Sequence[TrajectoryGroup], config: TrainConfig | None = None
+    ) -> TrainResult:
+        """One GRPO-family step on `groups`; afterwards the endpoint serves the new step."""
+        return await self.backend.train(self, groups, config)
+
+    async def log(self, groups: Sequence[TrajectoryGroup], split: str = "val") -> dict[str, float]:
+        """Record groups without training (evaluation): trajectories on disk, a history row."""
+        return await self.backend.log(self, groups, split)
+
+    def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
+        """Keep the best checkpoint by `best_checkpoint_metric` and the latest; return the steps deleted."""
+        return self.backend.store(self).delete_checkpoints(best_checkpoint_metric)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.backend.model_dir(self)
 
     @asynccontextmanager
     async def capture(self) -> AsyncIterator[Capture]:

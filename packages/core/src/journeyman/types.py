@@ -133,7 +133,7 @@ class TrajectoryGroup(BaseModel):
         if not items and not data.get("exceptions"):
             raise EmptyGroupError()
         super().__init__(trajectories=done, **data)
-        self._pending: list[Awaitable[Trajectory]] = pending
+        self._pending = pending
 
     @property
     def pending(self) -> list[Awaitable[Trajectory]]:

@@ -58,6 +58,7 @@ class TorchEngine(Engine):
         self._served = 0
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._grammars: Any = None
+        self._grammars_lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name="journeyman-engine", daemon=True)
         self._thread.start()
 
@@ -66,6 +67,11 @@ class TorchEngine(Engine):
         return self._served
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+        if params.json_schema is not None:
+            # Compile here, off the worker: a bad schema fails this request alone (InvalidFieldError,
+            # a 400), not every request batched with it; the worker then finds it compiled.
+            schema = params.json_schema
+            await asyncio.to_thread(lambda: self._grammar_cache().compile(schema))
         loop = asyncio.get_running_loop()
         job = _Job(prompt_ids, params, loop, loop.create_future())
         self._queue.put(job)
@@ -245,11 +251,15 @@ class TorchEngine(Engine):
     def _grammar(self, schema: str | None) -> Any:
         if schema is None:
             return None
-        if self._grammars is None:
-            from .grammar import GrammarCache
+        return self._grammar_cache().matcher(schema)
 
-            self._grammars = GrammarCache(self.tokenizer, self.policy.model.config.vocab_size)
-        return self._grammars.matcher(schema)
+    def _grammar_cache(self) -> Any:
+        with self._grammars_lock:
+            if self._grammars is None:
+                from .grammar import GrammarCache
+
+                self._grammars = GrammarCache(self.tokenizer, self.policy.model.config.vocab_size)
+            return self._grammars
 
 
 def _generator(seed: int | None, k: int, device: torch.device) -> torch.Generator | None:

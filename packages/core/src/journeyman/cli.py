@@ -1,0 +1,138 @@
+"""`journeyman` command line: chat with the default model, run the demo training, redraw plots."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    help="Journeyman: on-the-job reinforcement learning for LLM agents.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@app.command()
+def chat(
+    prompt: Annotated[str, typer.Argument(help="what to ask the model")],
+    base_model: Annotated[
+        str, typer.Option(help="embedded model name, local HF directory, or hub id")
+    ] = "smollm2-135m-instruct",
+    max_tokens: Annotated[int, typer.Option(help="most tokens to generate")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.7,
+    show_tokens: Annotated[bool, typer.Option(help="print the recorded token ids and logprobs")] = False,
+) -> None:
+    """Ask the model one question through its OpenAI-compatible endpoint, and show what was recorded."""
+    import journeyman as jm
+
+    async def run() -> None:
+        backend = jm.LocalBackend(path=Path(".journeyman"))
+        model = jm.TrainableModel(name="chat", project="cli", base_model=base_model)
+        typer.echo("loading the model...", err=True)
+        await model.register(backend)
+        try:
+            client = model.openai_client()
+            completion = await client.chat.completions.create(
+                model=model.name,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=max_tokens,
+                temperature=temperature,
+            )
+            choice = completion.choices[0]
+            typer.echo(choice.message.content or "")
+            record = jm.record_of(choice)
+            if record is not None:
+                typer.echo(
+                    f"\n[{record.model}] {len(record.prompt_token_ids)} prompt tokens, {len(record.token_ids)} sampled, "
+                    f"finish={record.finish_reason}, mean logprob {sum(record.logprobs) / max(1, len(record.logprobs)):.3f}",
+                    err=True,
+                )
+                if show_tokens:
+                    typer.echo(
+                        json.dumps({"token_ids": record.token_ids, "logprobs": record.logprobs}), err=True
+                    )
+        finally:
+            backend.close()
+
+    asyncio.run(run())
+
+
+@app.command()
+def demo(
+    steps: Annotated[int, typer.Option(help="training steps")] = 10,
+    prompts_per_step: Annotated[int, typer.Option(help="scenarios per step")] = 8,
+    group_size: Annotated[int, typer.Option(help="rollouts per scenario (the GRPO group)")] = 4,
+    learning_rate: Annotated[float, typer.Option(help="AdamW learning rate of the LoRA adapter")] = 2e-4,
+    eval_prompts: Annotated[int, typer.Option(help="held-out prompts evaluated before and after")] = 32,
+    path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
+    name: Annotated[
+        str, typer.Option(help="model name (a new name starts fresh; the same name resumes)")
+    ] = "demo",
+) -> None:
+    """Train the embedded model on the CPU for a few minutes on a built-in task, and show that it learned."""
+    from tqdm.auto import tqdm
+
+    from .demo import run_demo
+
+    bar = tqdm(total=steps, desc="training", unit="step")
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        bar.set_postfix(
+            reward=f"{metrics.get('reward', 0.0):.3f}", sec=f"{metrics.get('train_seconds', 0.0):.1f}"
+        )
+        bar.update(1)
+
+    typer.echo("Task: answer held-out questions briefly and on topic (reward = on-topic x brevity).")
+    result = asyncio.run(
+        run_demo(
+            path=path,
+            name=name,
+            steps=steps,
+            prompts_per_step=prompts_per_step,
+            group_size=group_size,
+            learning_rate=learning_rate,
+            eval_prompts=eval_prompts,
+            on_step=on_step,
+        )
+    )
+    bar.close()
+    b, a = result.before, result.after
+    typer.echo(
+        f"held-out reward before: {b.mean:.3f} ± {b.sem:.3f}  ({b.completion_tokens:.1f} tokens per answer)"
+    )
+    typer.echo(
+        f"held-out reward after:  {a.mean:.3f} ± {a.sem:.3f}  ({a.completion_tokens:.1f} tokens per answer)"
+    )
+    typer.echo(f"gain: {result.gain_in_sems:.1f} standard errors")
+    typer.echo(f"run directory: {result.run_dir}\nreward curve:  {result.plot}")
+
+
+@app.command()
+def report(
+    run_dir: Annotated[
+        Path, typer.Argument(help="a model's run directory (.journeyman/<project>/models/<name>)")
+    ],
+    out: Annotated[Path | None, typer.Option(help="PNG to write (default: <run_dir>/reward.png)")] = None,
+) -> None:
+    """Redraw the reward curve of a run from its history.jsonl."""
+    from .plot import plot_history
+    from .store import RunStore
+
+    if not (run_dir / "history.jsonl").exists():
+        typer.echo(
+            f"run_dir={str(run_dir)!r}: no history.jsonl there (is it .journeyman/<project>/models/<name>?)",
+            err=True,
+        )
+        raise typer.Exit(2)
+    history = RunStore(run_dir).history()
+    png = plot_history(history, out or run_dir / "reward.png", title=run_dir.name)
+    steps = [r["step"] for r in history if "train/reward" in r]
+    typer.echo(f"{len(steps)} training steps; plot: {png}")
+
+
+if __name__ == "__main__":
+    app()

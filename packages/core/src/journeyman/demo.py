@@ -1,0 +1,123 @@
+"""The main job on the embedded default: GRPO on the built-in task, evaluated on held-out prompts."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from . import tasks
+from .backend import LocalBackend
+from .gather import gather_trajectory_groups
+from .model import TrainableModel
+from .plot import plot_history
+from .train import TrainConfig
+from .types import TrajectoryGroup
+
+
+class EvalResult(BaseModel):
+    mean: float
+    sem: float
+    completion_tokens: float
+
+
+class DemoResult(BaseModel):
+    before: EvalResult
+    after: EvalResult
+    steps: int
+    run_dir: Path
+    plot: Path
+
+    @property
+    def gain_in_sems(self) -> float:
+        """How many standard errors the held-out reward rose (joint SE of the two means)."""
+        se = math.hypot(self.before.sem, self.after.sem)
+        return (self.after.mean - self.before.mean) / se if se > 0 else math.inf
+
+
+async def evaluate(
+    model: TrainableModel, n: int = 32, max_tokens: int = 40
+) -> tuple[EvalResult, list[TrajectoryGroup]]:
+    """Greedy answers to `n` held-out prompts; mean reward with its standard error."""
+    client = model.openai_client()
+    val = tasks.scenarios("val", n)
+    groups = await gather_trajectory_groups(
+        (
+            TrajectoryGroup([tasks.rollout(model, client, s, temperature=0.0, max_tokens=max_tokens)])
+            for s in val
+        ),
+        pbar_desc=None,
+    )
+    rewards = [g.trajectories[0].reward for g in groups]
+    tokens = [float(g.trajectories[0].metrics["completion_tokens"]) for g in groups]
+    sem = statistics.stdev(rewards) / math.sqrt(len(rewards)) if len(rewards) > 1 else 0.0
+    return EvalResult(
+        mean=statistics.mean(rewards), sem=sem, completion_tokens=statistics.mean(tokens)
+    ), groups
+
+
+async def run_demo(
+    *,
+    path: Path = Path(".journeyman"),
+    name: str = "demo",
+    project: str = "journeyman-demo",
+    steps: int = 10,
+    prompts_per_step: int = 8,
+    group_size: int = 4,
+    learning_rate: float = 2e-4,
+    eval_prompts: int = 32,
+    max_tokens: int = 40,
+    base_model: str | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> DemoResult:
+    backend = LocalBackend(path=path)
+    model = TrainableModel(name=name, project=project, **({"base_model": base_model} if base_model else {}))
+    await model.register(backend)
+    try:
+        client = model.openai_client()
+        before, val_groups = await evaluate(model, eval_prompts, max_tokens)
+        await _log_eval(model, val_groups, before)
+        start = await model.get_step()
+        train = tasks.scenarios("train", prompts_per_step * (start + steps), seed=1)
+        config = TrainConfig(learning_rate=learning_rate)
+        for step in range(start, start + steps):
+            batch = train[step * prompts_per_step : (step + 1) * prompts_per_step]
+            groups = await gather_trajectory_groups(
+                (
+                    TrajectoryGroup(
+                        tasks.rollout(model, client, s, max_tokens=max_tokens) for _ in range(group_size)
+                    )
+                    for s in batch
+                ),
+                pbar_desc=None,
+            )
+            result = await model.train(groups, config=config)
+            if on_step is not None:
+                on_step(step, result.metrics)
+        after, val_groups = await evaluate(model, eval_prompts, max_tokens)
+        await _log_eval(model, val_groups, after)
+        run_dir = model.run_dir
+        plot = plot_history(
+            backend.store(model).history(),
+            run_dir / "reward.png",
+            title=f"{project}/{name}: short on-topic answers",
+        )
+        return DemoResult(before=before, after=after, steps=steps, run_dir=run_dir, plot=plot)
+    finally:
+        backend.close()
+
+
+async def _log_eval(model: TrainableModel, groups: list[TrajectoryGroup], result: EvalResult) -> None:
+    await model.log(groups, split="val")
+    # the SEM goes into history too, so the plot can draw error bars
+    model.backend.store(model).append_history(
+        {"step": await model.get_step(), "split": "val", "val/reward_sem": result.sem}
+    )
+
+
+def main_sync(**kwargs: object) -> DemoResult:
+    return asyncio.run(run_demo(**kwargs))  # type: ignore[arg-type]

@@ -1,0 +1,43 @@
+"""Reward curves from a run's history.jsonl, as a PNG (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_history(history: list[dict[str, Any]], out: Path, title: str = "reward") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    train = [(r["step"], r["train/reward"]) for r in history if "train/reward" in r]
+    if train:
+        ax.plot(*zip(*train, strict=True), marker=".", label="train (rollouts of each step)")
+    splits = sorted({r["split"] for r in history if r.get("split") not in (None, "train")})
+    for split in splits:
+        pts = [
+            (r["step"], r[f"{split}/reward"])
+            for r in history
+            if r.get("split") == split and f"{split}/reward" in r
+        ]
+        errs = [
+            r.get(f"{split}/reward_sem", 0.0)
+            for r in history
+            if r.get("split") == split and f"{split}/reward" in r
+        ]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=f"{split} (held out)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

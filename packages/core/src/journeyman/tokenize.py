@@ -1,0 +1,102 @@
+"""Trajectories to training rows: exact sampled ids trained, everything else masked.
+
+A row is one token sequence. Consecutive calls of a history join one row when the later call's
+prompt starts with the row so far (the endpoint splices sampled turns, so a multi-turn tool run
+is one row); a call that does not extend it starts a new row. Additional histories are rows of
+their own. Histories with no token records (e.g. imported traces) are rendered with the chat
+template, their assistant turns trained as re-tokenised text (flagged, old logprobs unknown).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .chat_format import ChatFormat, normalize_messages
+from .errors import NoTrainableTokensError
+from .types import History, TokenRecord, Trajectory
+
+NAN = math.nan
+
+
+@dataclass
+class Row:
+    input_ids: list[int] = field(default_factory=list)
+    trained: list[bool] = field(default_factory=list)
+    # log π_rollout of each trained token (NaN where unknown: re-tokenised turns, prompt tokens)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    advantage: float = 0.0
+    retokenized: bool = False
+
+    def extend(self, ids: list[int], trained: bool, logprobs: list[float] | None = None) -> None:
+        self.input_ids += ids
+        self.trained += [trained] * len(ids)
+        self.rollout_logprobs += logprobs if logprobs is not None else [NAN] * len(ids)
+
+    @property
+    def num_trained(self) -> int:
+        return sum(self.trained)
+
+
+def _rows_from_records(records: list[TokenRecord]) -> list[Row]:
+    rows: list[Row] = []
+    row: Row | None = None
+    for rec in records:
+        prompt = rec.prompt_token_ids
+        if row is not None and prompt[: len(row.input_ids)] == row.input_ids:
+            row.extend(prompt[len(row.input_ids) :], trained=False)
+        else:
+            row = Row()
+            rows.append(row)
+            row.extend(prompt, trained=False)
+        row.extend(rec.token_ids, trained=True, logprobs=rec.logprobs)
+    return rows
+
+
+def _row_from_messages(history: History, chat_format: ChatFormat) -> Row:
+    """Render a conversation without token records; assistant turns are trained as re-tokenised text."""
+    messages = normalize_messages(history.messages())
+    tools = history.tools
+    row = Row(retokenized=True)
+    start = 1 if messages[0]["role"] == "system" else 0
+    prev = chat_format.render(messages[:start], tools, False)
+    row.extend(chat_format.encode(prev), trained=False)
+    for k in range(start, len(messages)):
+        full = chat_format.render(messages[: k + 1], tools, False)
+        segment = full[len(prev) :]
+        if messages[k]["role"] == "assistant":
+            header = chat_format.render(messages[:k], tools, True)[len(prev) :]
+            end = segment.rfind(chat_format.eos_text) + len(chat_format.eos_text)
+            row.extend(chat_format.encode(header), trained=False)
+            row.extend(chat_format.encode(segment[len(header) : end]), trained=True)
+            row.extend(chat_format.encode(segment[end:]), trained=False)
+        else:
+            row.extend(chat_format.encode(segment), trained=False)
+        prev = full
+    return row
+
+
+def history_rows(history: History, chat_format: ChatFormat) -> list[Row]:
+    records = history.records()
+    if records:
+        return _rows_from_records(records)
+    if any(m.get("role") == "assistant" for m in history.messages()):
+        return [_row_from_messages(history, chat_format)]
+    return []
+
+
+def trajectory_rows(
+    trajectory: Trajectory, chat_format: ChatFormat, advantage: float, where: str = "trajectory"
+) -> list[Row]:
+    """All rows of one trajectory (its main history, then trainable additional histories)."""
+    histories: list[History] = [trajectory, *[h for h in trajectory.additional_histories if h.trainable]]
+    rows = [row for h in histories for row in history_rows(h, chat_format)]
+    if not any(r.num_trained for r in rows):
+        raise NoTrainableTokensError(
+            where,
+            f"{len(trajectory.messages_and_choices)} messages",
+            "has no sampled assistant tokens to train on",
+        )
+    for r in rows:
+        r.advantage = advantage
+    return rows

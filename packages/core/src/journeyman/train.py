@@ -1,0 +1,280 @@
+"""One GRPO-family update of the LoRA adapter on a list of trajectory groups.
+
+tokenize (exact sampled ids) -> group advantages -> length-sorted micro-batches -> loss -> AdamW.
+The LM head runs only on trained positions: prompt tokens need hidden states, not logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field, model_validator
+
+from .adapter import LoraPolicy
+from .chat_format import ChatFormat
+from .errors import InvalidFieldError
+from .loss import LossKind, group_advantages, policy_loss, token_logprobs
+from .tokenize import Row, trajectory_rows
+from .types import TrajectoryGroup
+
+
+class TrainConfig(BaseModel):
+    """Settings of one training step. Every field says what it does and where it comes from."""
+
+    learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")
+    loss: LossKind = Field(
+        "ppo",
+        description="ppo: clipped surrogate (PPO/GRPO); cispo: clipped IS-weight REINFORCE (MiniMax-M1); gspo: sequence-level ratio (GSPO)",
+    )
+    eps: float = Field(0.2, gt=0, description="clip ε (lower side; both sides unless eps_high is set)")
+    eps_high: float | None = Field(
+        None,
+        gt=0,
+        description="upper clip ε ('clip-higher', DAPO); for CISPO the IS-weight cap is 1 + eps_high",
+    )
+    scale_rewards: bool = Field(
+        True, description="divide advantages by the group's reward std (GRPO); False = Dr. GRPO centring only"
+    )
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="truncated importance sampling: ratio vs the trainer's own logprobs, weighted by min(π_trainer / π_engine, cap); None = ratio vs engine logprobs",
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="β for the k3 KL to the base model (adapter disabled; no second model in memory)",
+    )
+    max_grad_norm: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=64,
+        description="padded tokens per forward/backward; gradients accumulate across micro-batches",
+    )
+    max_seq_len: int = Field(4096, ge=16, description="rows longer than this are cut (counted in metrics)")
+    autocast_bf16: bool = Field(
+        False, description="bf16 autocast for the forward pass (4x matmul rate on this CPU; logprobs drift)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.loss == "gspo" and self.eps > 0.05:
+            # GSPO's ratio is a per-token geometric mean: the paper clips at ~3e-4 / 4e-4.
+            raise InvalidFieldError(
+                "eps", self.eps, "GSPO clips sequence ratios tightly: use eps around 3e-4 (eps_high 4e-4)"
+            )
+        return self
+
+
+class TrainResult(BaseModel):
+    step: int = Field(description="the policy step after this update")
+    metrics: dict[str, float] = Field(default_factory=dict)
+    skipped: bool = Field(False, description="True when no group carried any learning signal")
+
+
+def build_rows(
+    groups: Sequence[TrajectoryGroup], chat_format: ChatFormat, config: TrainConfig
+) -> tuple[list[Row], dict[str, float]]:
+    """Rows with advantages; groups whose rewards are all equal carry no signal and are dropped."""
+    rows: list[Row] = []
+    zero = 0
+    for gi, group in enumerate(groups):
+        rewards = torch.tensor(group.rewards(), dtype=torch.float64)
+        if len(rewards) < 2 or float(rewards.max() - rewards.min()) < 1e-9:
+            zero += 1
+            continue
+        adv = group_advantages(rewards, scale_by_std=config.scale_rewards)
+        for ti, (traj, a) in enumerate(zip(group.trajectories, adv.tolist(), strict=True)):
+            rows += trajectory_rows(traj, chat_format, a, where=f"groups[{gi}].trajectories[{ti}]")
+    truncated = 0
+    for r in rows:
+        if len(r.input_ids) > config.max_seq_len:
+            truncated += 1
+            del (
+                r.input_ids[config.max_seq_len :],
+                r.trained[config.max_seq_len :],
+                r.rollout_logprobs[config.max_seq_len :],
+            )
+    rows = [r for r in rows if r.num_trained and r.advantage != 0.0]
+    return rows, {
+        "groups": float(len(groups)),
+        "groups_zero_signal": float(zero),
+        "rows": float(len(rows)),
+        "rows_truncated": float(truncated),
+        "rows_retokenized": float(sum(r.retokenized for r in rows)),
+    }
+
+
+def micro_batches(rows: list[Row], budget: int) -> Iterator[list[Row]]:
+    """Length-sorted batches whose padded size stays under `budget` tokens (little padding)."""
+    batch: list[Row] = []
+    width = 0
+    for r in sorted(rows, key=lambda r: len(r.input_ids)):
+        w = max(width, len(r.input_ids))
+        if batch and w * (len(batch) + 1) > budget:
+            yield batch
+            batch, w = [], len(r.input_ids)
+        batch.append(r)
+        width = w
+    if batch:
+        yield batch
+
+
+class GRPOTrainer:
+    """Holds the optimizer across steps for one policy."""
+
+    def __init__(self, policy: LoraPolicy, chat_format: ChatFormat) -> None:
+        self.policy = policy
+        self.chat_format = chat_format
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._lr: float | None = None
+
+    def _optimizer(self, config: TrainConfig) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(
+                self.policy.trainable_parameters(),
+                lr=config.learning_rate,
+                betas=config.betas,
+                weight_decay=config.weight_decay,
+            )
+        for g in self.optimizer.param_groups:  # a new config may change these between steps
+            g["lr"], g["betas"], g["weight_decay"] = config.learning_rate, config.betas, config.weight_decay
+        return self.optimizer
+
+    def save_optimizer(self, path: Path) -> None:
+        if self.optimizer is not None:
+            torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+
+    def load_optimizer(self, path: Path) -> None:
+        file = path / "optimizer.pt"
+        if file.exists():
+            self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters())
+            self.optimizer.load_state_dict(torch.load(file, map_location=self.policy.device))
+
+    def step(self, groups: Sequence[TrajectoryGroup], config: TrainConfig) -> tuple[bool, dict[str, float]]:
+        """One optimizer step. Returns (updated, metrics); updated is False when there was no signal."""
+        t0 = time.perf_counter()
+        rows, metrics = build_rows(groups, self.chat_format, config)
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        metrics["reward"] = sum(rewards) / max(1, len(rewards))
+        metrics["reward_std"] = float(torch.tensor(rewards).std(unbiased=False)) if len(rewards) > 1 else 0.0
+        if not rows:
+            return False, metrics
+        num_tokens = sum(r.num_trained for r in rows)
+        metrics["trained_tokens"] = float(num_tokens)
+        opt = self._optimizer(config)
+        model = self.policy.model
+        with self.policy.lock:
+            model.train()
+            opt.zero_grad(set_to_none=True)
+            totals: dict[str, float] = {}
+            padded = 0
+            for batch in micro_batches(rows, config.micro_batch_tokens):
+                out, n_pad = self._micro_step(batch, num_tokens, config)
+                padded += n_pad
+                for k, v in out.items():
+                    totals[k] = totals.get(k, 0.0) + v
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.policy.trainable_parameters(), config.max_grad_norm
+            )
+            if not math.isfinite(float(grad_norm)):
+                opt.zero_grad(set_to_none=True)
+                model.eval()
+                raise FloatingPointError(f"grad_norm={float(grad_norm)}: the step was not applied")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            model.eval()
+        metrics.update(totals)
+        metrics["grad_norm"] = float(grad_norm)
+        metrics["padded_tokens"] = float(padded)
+        metrics["train_seconds"] = time.perf_counter() - t0
+        return True, metrics
+
+    def _micro_step(
+        self, batch: list[Row], num_tokens: int, config: TrainConfig
+    ) -> tuple[dict[str, float], int]:
+        device = self.policy.device
+        width = max(len(r.input_ids) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        trained = torch.zeros((len(batch), width), dtype=torch.bool)
+        rollout = torch.full((len(batch), width), math.nan)
+        for i, r in enumerate(batch):
+            n = len(r.input_ids)
+            ids[i, :n] = torch.tensor(r.input_ids)
+            attn[i, :n] = 1
+            trained[i, :n] = torch.tensor(r.trained)
+            rollout[i, :n] = torch.tensor(r.rollout_logprobs)
+        ids, attn, trained, rollout = ids.to(device), attn.to(device), trained.to(device), rollout.to(device)
+        # Token t is predicted from position t-1: shift, then keep trained targets only.
+        target_mask = trained[:, 1:]  # (B, T-1)
+        rows_idx, pos_idx = target_mask.nonzero(as_tuple=True)
+        targets = ids[:, 1:][rows_idx, pos_idx]  # (N,)
+        autocast = (
+            torch.autocast(device.type, dtype=torch.bfloat16)
+            if config.autocast_bf16
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            logp_flat = self._logprobs(ids, attn, rows_idx, pos_idx, targets)
+            ref_flat = None
+            if config.kl_coef > 0:
+                with torch.no_grad(), self.policy.base_only():
+                    ref_flat = self._logprobs(ids, attn, rows_idx, pos_idx, targets)
+        # Back to (B, T-1) for the loss, which normalises per token.
+        shape = target_mask.shape
+        logp = torch.zeros(shape, device=device).index_put((rows_idx, pos_idx), logp_flat)
+        rollout_lp = rollout[:, 1:]
+        rollout_lp = torch.where(torch.isnan(rollout_lp), logp.detach(), rollout_lp)  # unknown: on-policy
+        tis = None
+        if config.tis_cap is not None:
+            old = logp.detach()
+            tis = torch.exp(old - rollout_lp).clamp(max=config.tis_cap) * target_mask
+        else:
+            old = rollout_lp
+        ref = None
+        if ref_flat is not None:
+            ref = torch.zeros(shape, device=device).index_put((rows_idx, pos_idx), ref_flat.float())
+        advantages = torch.tensor([r.advantage for r in batch], device=device, dtype=torch.float32)
+        mask = target_mask.float()
+        loss, metrics = policy_loss(
+            logp,
+            old,
+            advantages,
+            mask,
+            num_tokens,
+            kind=config.loss,
+            eps=config.eps,
+            eps_high=config.eps_high,
+            tis_weight=tis,
+            ref_logp=ref,
+            kl_coef=config.kl_coef,
+        )
+        loss.backward()
+        with torch.no_grad():
+            gap = ((logp.detach() - rollout_lp).abs() * mask).sum() / max(num_tokens, 1)
+        metrics["engine_trainer_logprob_gap"] = float(gap)
+        return metrics, int(ids.numel() - int(attn.sum()))
+
+    def _logprobs(
+        self,
+        ids: torch.Tensor,
+        attn: torch.Tensor,
+        rows: torch.Tensor,
+        pos: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> torch.Tensor:
+        """log π(target) at the trained positions only: the LM head skips every prompt token."""
+        causal_lm: Any = self.policy.model.get_base_model()
+        hidden = causal_lm.model(input_ids=ids, attention_mask=attn).last_hidden_state  # (B, T, H)
+        picked = hidden[:, :-1][rows, pos]  # (N, H)
+        logits = causal_lm.lm_head(picked)  # (N, V)
+        return token_logprobs(logits, targets)

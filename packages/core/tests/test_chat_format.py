@@ -1,0 +1,128 @@
+"""Chat template with tools, tool-call parsing, and splicing of sampled turns (tokenizer only)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from journeyman.chat_format import SampledTurns, assistant_key, normalize_messages, parse_completion
+from journeyman.errors import InvalidFieldError
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def test_tools_render_into_system_turn_and_calls_round_trip(chat_format) -> None:
+    msgs = normalize_messages(
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ]
+    )
+    text = chat_format.render(msgs, TOOLS, True)
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>' in text
+    )
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    # the rendered assistant turn parses back into the same call
+    body = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    content, calls = parse_completion(body)
+    assert content is None
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_without_tools_matches_the_models_own_template(chat_format) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    own = chat_format.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert chat_format.render(normalize_messages(msgs), None, True) == own
+
+
+def test_rendering_is_prefix_stable(chat_format) -> None:
+    msgs = normalize_messages(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny."},
+        ]
+    )
+    for k in range(1, len(msgs)):
+        assert chat_format.render(msgs[: k + 1], TOOLS, False).startswith(
+            chat_format.render(msgs[:k], TOOLS, False)
+        )
+
+
+def test_malformed_tool_calls_stay_content() -> None:
+    for text in [
+        "<tool_call>{not json</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+        "<tool_call>unclosed",
+    ]:
+        assert parse_completion(text) == (text, [])
+    content, calls = parse_completion(
+        'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    )
+    assert content == "Sure." and calls[0]["function"]["arguments"] == '{"x": 1}'
+
+
+def test_splices_sampled_ids_for_earlier_assistant_turns(chat_format) -> None:
+    user = normalize_messages([{"role": "user", "content": "Say hi"}])
+    prompt, _ = chat_format.prompt_ids(user)
+    # ids the engine "sampled": a tokenisation that differs from what re-encoding the text gives
+    sampled = [*chat_format.encode("H"), *chat_format.encode("i there"), chat_format.eos_id]
+    assert sampled[:-1] != chat_format.encode("Hi there")
+    turns = SampledTurns()
+    turns.add(assistant_key("Hi there", None), sampled)
+    msgs = normalize_messages(
+        [*user, {"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "Again"}]
+    )
+    ids, spliced = chat_format.prompt_ids(msgs, None, turns)
+    assert spliced == 1
+    assert (
+        ids[: len(prompt) + len(sampled)] == prompt + sampled
+    )  # the next prompt extends prompt + completion
+    plain, none = chat_format.prompt_ids(msgs, None, None)
+    assert none == 0 and plain == chat_format.encode(chat_format.render(msgs, None, True))
+
+
+@pytest.mark.parametrize(
+    ("messages", "field"),
+    [
+        ([], "messages"),
+        ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": 3}], "messages[0].content"),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}],
+                }
+            ],
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+    ],
+)
+def test_invalid_messages_name_the_field(messages, field) -> None:
+    with pytest.raises(InvalidFieldError) as e:
+        normalize_messages(messages)
+    assert e.value.field == field

@@ -1,0 +1,188 @@
+"""The OpenAI-compatible endpoint on the real embedded model: records, tools, batching, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import journeyman as jm
+import openai
+import pytest
+import torch
+from journeyman.chat_format import parse_completion
+
+pytestmark = pytest.mark.integration
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+# One worked example makes the 135M model imitate the tool-call format.
+FEW_SHOT = [
+    {"role": "system", "content": "You answer weather questions. Always call get_weather first."},
+    {"role": "user", "content": "What's the weather in Rome?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c0", "content": "18C, cloudy"},
+    {"role": "assistant", "content": "It is 18C and cloudy in Rome."},
+    {"role": "user", "content": "What's the weather in Paris?"},
+]
+
+
+def teacher_forced_logprobs(
+    backend: jm.LocalBackend, model: jm.TrainableModel, record: jm.TokenRecord
+) -> list[float]:
+    policy = backend.service(model).policy
+    ids = torch.tensor([record.prompt_token_ids + record.token_ids])
+    with torch.inference_mode(), policy.lock:
+        logits = policy.model(input_ids=ids).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    n = len(record.prompt_token_ids)
+    return [float(logp[n - 1 + i, t]) for i, t in enumerate(record.token_ids)]
+
+
+async def test_three_turn_tool_trajectory_is_token_exact(served) -> None:
+    model, backend = served
+    client = model.openai_client()
+    first = await client.chat.completions.create(
+        model=model.name, messages=FEW_SHOT, tools=TOOLS, n=8, seed=7, temperature=0.7, max_tokens=40
+    )
+    calls = [c for c in first.choices if c.finish_reason == "tool_calls"]
+    assert calls, [c.message.content for c in first.choices]
+    call = calls[0]
+    traj = jm.Trajectory(messages_and_choices=[*FEW_SHOT, call], tools=TOOLS)
+    tool_call = call.message.tool_calls[0]
+    traj.messages_and_choices.append({"role": "tool", "tool_call_id": tool_call.id, "content": "21C, sunny"})
+    second = await client.chat.completions.create(
+        model=model.name, messages=traj.messages(), tools=TOOLS, temperature=0, max_tokens=30
+    )
+    traj.messages_and_choices.append(second.choices[0])
+
+    rec1, rec2 = traj.records()
+    tok = backend.service(model).chat_format.tokenizer
+    # the sampled ids decode to exactly what the assistant said
+    content, parsed = parse_completion(tok.decode(rec1.token_ids, skip_special_tokens=True))
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed] == [
+        (tool_call.function.name, json.loads(tool_call.function.arguments))
+    ]
+    assert tok.decode(rec2.token_ids, skip_special_tokens=True) == second.choices[0].message.content
+    # the second call's prompt holds the first call's sampled ids verbatim (spliced, not re-rendered)
+    assert rec2.spliced_turns >= 1
+    start = len(rec1.prompt_token_ids)
+    assert rec2.prompt_token_ids[:start] == rec1.prompt_token_ids
+    assert rec2.prompt_token_ids[start : start + len(rec1.token_ids)] == rec1.token_ids
+    # logprobs recompute, teacher-forced through the same weights, within 1e-3 (fp32)
+    for rec in (rec1, rec2):
+        again = teacher_forced_logprobs(backend, model, rec)
+        assert max(abs(a - b) for a, b in zip(again, rec.logprobs, strict=True)) < 1e-3
+
+
+async def test_32_concurrent_requests_are_batched(served) -> None:
+    model, backend = served
+    engine = backend.service(model).engine
+    client = model.openai_client()
+    batches_before = engine.batches
+    results = await asyncio.gather(
+        *[
+            client.chat.completions.create(
+                model=model.name,
+                messages=[{"role": "user", "content": f"Name a color #{i}"}],
+                max_tokens=8,
+                seed=i,
+            )
+            for i in range(32)
+        ]
+    )
+    assert all(len(jm.record_of(r.choices[0]).token_ids) >= 1 for r in results)
+    assert engine.batches - batches_before < 16  # many requests per forward pass, not one each
+
+
+async def test_sampling_options(served) -> None:
+    model, _ = served
+    client = model.openai_client()
+    msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
+    a, b = [
+        await client.chat.completions.create(
+            model=model.name, messages=msgs, max_tokens=12, seed=3, top_p=0.9
+        )
+        for _ in range(2)
+    ]
+    assert jm.record_of(a.choices[0]).token_ids == jm.record_of(b.choices[0]).token_ids  # seed reproduces
+    lp = await client.chat.completions.create(
+        model=model.name, messages=msgs, max_tokens=5, logprobs=True, top_logprobs=3, max_completion_tokens=5
+    )
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 5 and len(content[0].top_logprobs) == 3
+    assert content[0].logprob == pytest.approx(jm.record_of(lp.choices[0]).logprobs[0])
+    stopped = await client.chat.completions.create(
+        model=model.name, messages=msgs, max_tokens=40, temperature=0, stop=["\n", "."]
+    )
+    assert "." not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
+    stream = await client.chat.completions.create(
+        model=model.name, messages=msgs, max_tokens=10, temperature=0, stream=True
+    )
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    greedy = await client.chat.completions.create(
+        model=model.name, messages=msgs, max_tokens=10, temperature=0
+    )
+    assert text == greedy.choices[0].message.content
+    listed = await client.models.list()
+    assert model.name in [m.id for m in listed.data]
+
+
+async def test_bad_requests_name_the_field(served) -> None:
+    model, _ = served
+    client = model.openai_client()
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.chat.completions.create(model="no-such-model", messages=msgs)
+    assert "no-such-model" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=model.name, messages=msgs, n=0)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=model.name, messages=[{"role": "robot", "content": "x"}])
+    assert e.value.body["param"] == "messages[0].role"
+    async with httpx.AsyncClient() as http:
+        r = await http.post(model.inference_base_url + "/chat/completions", content=b"{not json")
+        assert r.status_code == 400
+        r = await http.post(model.inference_base_url + "/chat/completions", json={"model": model.name})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+async def test_capture_scopes_keep_concurrent_episodes_apart(served) -> None:
+    model, _ = served
+    client = model.openai_client()
+
+    async def episode(i: int) -> tuple[int, list[str]]:
+        async with model.capture() as cap:
+            for turn in range(2):
+                await client.chat.completions.create(
+                    model=model.name,
+                    messages=[{"role": "user", "content": f"episode {i} turn {turn}"}],
+                    max_tokens=3,
+                )
+        return i, [c.request_messages[-1]["content"] for c in cap.calls]
+
+    for i, seen in await asyncio.gather(*[episode(i) for i in range(6)]):
+        assert seen == [f"episode {i} turn 0", f"episode {i} turn 1"]
