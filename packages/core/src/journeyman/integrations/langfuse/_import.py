@@ -491,9 +491,9 @@ def _fetch(
                         traj.metadata.setdefault(k, v)
             built.append((trace, traj))
 
-    # 4. groups, in the order their first trace appears
+    # 4. groups, in the order their first trace started
     grouped: dict[str, list[tuple[LangfuseTrace, Trajectory]]] = {}
-    for trace, traj in built:
+    for trace, traj in sorted(built, key=lambda b: b[0].timestamp):
         key = _group_key(group_by, trace, traj)
         if key is None:
             skipped["no group key"] += 1
