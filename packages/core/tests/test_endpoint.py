@@ -64,12 +64,19 @@ def teacher_forced_logprobs(
 async def test_three_turn_tool_trajectory_is_token_exact(served) -> None:
     model, backend = served
     client = model.openai_client()
+    # The 135M model rarely calls a tool on its own; tool_choice="required" constrains decoding to
+    # a well-formed call of a listed tool, which is how agents use small models.
     first = await client.chat.completions.create(
-        model=model.name, messages=FEW_SHOT, tools=TOOLS, n=8, seed=7, temperature=0.7, max_tokens=40
+        model=model.name,
+        messages=FEW_SHOT,
+        tools=TOOLS,
+        tool_choice="required",
+        seed=7,
+        temperature=0.7,
+        max_tokens=60,
     )
-    calls = [c for c in first.choices if c.finish_reason == "tool_calls"]
-    assert calls, [c.message.content for c in first.choices]
-    call = calls[0]
+    call = first.choices[0]
+    assert call.finish_reason == "tool_calls", call.message.content
     traj = jm.Trajectory(messages_and_choices=[*FEW_SHOT, call], tools=TOOLS)
     tool_call = call.message.tool_calls[0]
     traj.messages_and_choices.append({"role": "tool", "tool_call_id": tool_call.id, "content": "21C, sunny"})
@@ -82,6 +89,7 @@ async def test_three_turn_tool_trajectory_is_token_exact(served) -> None:
     tok = backend.service(model).chat_format.tokenizer
     # the sampled ids decode to exactly what the assistant said
     content, parsed = parse_completion(tok.decode(rec1.token_ids, skip_special_tokens=True))
+    assert content == call.message.content
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed] == [
         (tool_call.function.name, json.loads(tool_call.function.arguments))
     ]
@@ -186,3 +194,29 @@ async def test_capture_scopes_keep_concurrent_episodes_apart(served) -> None:
 
     for i, seen in await asyncio.gather(*[episode(i) for i in range(6)]):
         assert seen == [f"episode {i} turn 0", f"episode {i} turn 1"]
+
+
+async def test_named_tool_choice_forces_that_tool_and_bad_choices_are_named(served) -> None:
+    model, _ = served
+    client = model.openai_client()
+    tools = [*TOOLS, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    forced = await client.chat.completions.create(
+        model=model.name,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=1.0,
+        seed=3,
+        max_tokens=40,
+    )
+    assert forced.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in forced.choices[0].message.tool_calls] == ["get_time"]
+    for choice, field in [
+        ({"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
+        ("sometimes", "tool_choice"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(
+                model=model.name, messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=choice
+            )
+        assert e.value.body["param"] == field

@@ -22,6 +22,8 @@ from typing import Any
 
 from .errors import InvalidFieldError
 
+# How a forced tool call is framed (the template renders past calls the same way).
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 

@@ -20,14 +20,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .capture import CAPTURE_HEADER, CapturedCall, Captures
-from .chat_format import ChatFormat, SampledTurns, assistant_key, normalize_messages, parse_completion
+from .chat_format import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ChatFormat,
+    SampledTurns,
+    assistant_key,
+    normalize_messages,
+    parse_completion,
+)
 from .engine import Engine, Sample, SamplingParams
 from .errors import InvalidFieldError, UnknownModelError
 from .types import TokenRecord
 
 
 class ChatCompletionRequest(BaseModel):
-    """The request fields we honour; others (tool_choice, user, ...) are accepted and ignored."""
+    """The request fields we honour; others (user, parallel_tool_calls, ...) are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -46,6 +54,41 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+def _tool_call_schema(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None) -> str | None:
+    """The JSON schema a forced tool call must match, or None when the model may answer freely.
+
+    `tool_choice="required"` allows any listed tool; `{"type": "function", "function": {"name": n}}`
+    only `n`. Decoding is then constrained, so even a small model emits a well-formed call.
+    """
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if not tools:
+        raise InvalidFieldError("tool_choice", choice, "needs `tools` in the same request")
+    names = [(t.get("function") or {}).get("name") for t in tools]
+    if isinstance(choice, dict):
+        wanted = (choice.get("function") or {}).get("name")
+        if wanted not in names:
+            raise InvalidFieldError("tool_choice.function.name", wanted, f"not one of the tools {names}")
+        picked = [t for t, n in zip(tools, names, strict=True) if n == wanted]
+    elif choice == "required":
+        picked = tools
+    else:
+        raise InvalidFieldError("tool_choice", choice, "use auto, none, required or a named function")
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": t["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+        }
+        for t in picked
+    ]
+    return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
 
 
 def _sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
@@ -72,7 +115,10 @@ def _sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> Sam
     if max_tokens < 1:
         raise InvalidFieldError("max_tokens", max_tokens, "must be >= 1")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    schema = None
+    schema = _tool_call_schema(req.tools, req.tool_choice)
+    prefix, suffix = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE) if schema is not None else ("", "")
+    if req.response_format is not None and schema is not None:
+        raise InvalidFieldError("response_format", req.response_format, "cannot be combined with a forced tool_choice")
     if req.response_format is not None:
         kind = req.response_format.get("type")
         if kind == "json_schema":
@@ -93,6 +139,8 @@ def _sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> Sam
         seed=req.seed,
         top_logprobs=req.top_logprobs or 0,
         json_schema=schema,
+        json_prefix=prefix,
+        json_suffix=suffix,
     )
 
 

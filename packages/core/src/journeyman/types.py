@@ -107,6 +107,13 @@ class Trajectory(History):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, validate_assignment=True)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Checked here, not only in the validator, so `traj.reward = nan` raises our own
+        # named error instead of pydantic's wrapper, and the old reward stays.
+        if name == "reward" and isinstance(value, int | float) and not math.isfinite(value):
+            raise InvalidFieldError("reward", value, "must be a finite number")
+        super().__setattr__(name, value)
+
     def log(self, message: str) -> None:
         self.logs.append(message)
 

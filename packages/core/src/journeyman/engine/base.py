@@ -22,6 +22,15 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     top_logprobs: int = Field(0, ge=0, le=20)
     json_schema: str | None = Field(None, description="constrain the output to this JSON schema")
+    json_prefix: str = Field("", description="literal text the constrained output starts with")
+    json_suffix: str = Field("", description="literal text the constrained output ends with")
+
+    @property
+    def constraint(self) -> tuple[str, str, str] | None:
+        """(prefix, schema, suffix) when the output is constrained, else None."""
+        if self.json_schema is None:
+            return None
+        return (self.json_prefix, self.json_schema, self.json_suffix)
 
 
 @dataclass

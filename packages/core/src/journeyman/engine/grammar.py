@@ -19,6 +19,26 @@ from ..errors import InvalidFieldError
 SCHEMA_FIELD = "response_format.json_schema.schema"
 
 
+def wrapped_grammar(prefix: str, schema: str, suffix: str) -> Any:
+    """xgrammar Grammar: literal `prefix`, compact JSON matching `schema`, literal `suffix`.
+
+    Tool calls use this: `<tool_call>\n{"name": .., "arguments": ..}\n</tool_call>`.
+    """
+    import xgrammar as xgr
+
+    parts = [xgr.Grammar.from_json_schema(schema, any_whitespace=False)]
+    if prefix:
+        parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}"))
+    if suffix:
+        parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}"))
+    return xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
+
+
+def wrapped_ebnf(prefix: str, schema: str, suffix: str) -> str:
+    """The same grammar as EBNF text, for engines (vLLM) that take a grammar string."""
+    return str(wrapped_grammar(prefix, schema, suffix))
+
+
 class GrammarCache:
     """Compiles each schema once (a bounded LRU); hands out one matcher per sampled row.
 
@@ -38,27 +58,32 @@ class GrammarCache:
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, schema: str) -> Any:
-        """The compiled grammar of `schema`; an unusable schema raises InvalidFieldError."""
+    def compile(self, constraint: tuple[str, str, str]) -> Any:
+        """The compiled grammar of (prefix, schema, suffix); an unusable schema raises InvalidFieldError."""
+        key = "\0".join(constraint)
+        prefix, schema, suffix = constraint
         with self._lock:
-            if schema in self._compiled:
-                self._compiled.move_to_end(schema)
-                return self._compiled[schema]
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
         try:
             json.loads(schema)
-            compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
+            if prefix or suffix:
+                compiled = self._compiler.compile_grammar(wrapped_grammar(prefix, schema, suffix))
+            else:
+                compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
         except (ValueError, RuntimeError) as e:
             # xgrammar reports unsupported or malformed schemas as RuntimeError with a C++ location.
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise InvalidFieldError(SCHEMA_FIELD, schema, f"not a usable JSON schema: {reason}") from e
         with self._lock:
-            self._compiled[schema] = compiled
+            self._compiled[key] = compiled
             while len(self._compiled) > self.capacity:
                 self._compiled.popitem(last=False)
         return compiled
 
-    def matcher(self, schema: str) -> Any:
-        return self._xgr.GrammarMatcher(self.compile(schema))
+    def matcher(self, constraint: tuple[str, str, str]) -> Any:
+        return self._xgr.GrammarMatcher(self.compile(constraint))
 
     def mask(self, matcher: Any, logits: torch.Tensor, row: int) -> None:
         """Set the logits of tokens the grammar forbids at this point to -inf (in place)."""

@@ -67,11 +67,11 @@ class TorchEngine(Engine):
         return self._served
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        if params.json_schema is not None:
+        constraint = params.constraint
+        if constraint is not None:
             # Compile here, off the worker: a bad schema fails this request alone (InvalidFieldError,
             # a 400), not every request batched with it; the worker then finds it compiled.
-            schema = params.json_schema
-            await asyncio.to_thread(lambda: self._grammar_cache().compile(schema))
+            await asyncio.to_thread(lambda: self._grammar_cache().compile(constraint))
         loop = asyncio.get_running_loop()
         job = _Job(prompt_ids, params, loop, loop.create_future())
         self._queue.put(job)
@@ -126,7 +126,7 @@ class TorchEngine(Engine):
                 job,
                 k,
                 _generator(job.params.seed, k, self.policy.device),
-                self._grammar(job.params.json_schema),
+                self._grammar(job.params.constraint),
             )
             for job in jobs
             for k in range(job.params.n)
@@ -248,10 +248,10 @@ class TorchEngine(Engine):
         if row.finish is None and len(row.tokens) >= p.max_tokens:
             row.finish = "length"
 
-    def _grammar(self, schema: str | None) -> Any:
-        if schema is None:
+    def _grammar(self, constraint: tuple[str, str, str] | None) -> Any:
+        if constraint is None:
             return None
-        return self._grammar_cache().matcher(schema)
+        return self._grammar_cache().matcher(constraint)
 
     def _grammar_cache(self) -> Any:
         with self._grammars_lock:
