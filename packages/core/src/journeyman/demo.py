@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from . import tasks
 from .backend import LocalBackend
+from .engine.vllm_server import VLLMConfig
 from .gather import gather_trajectory_groups
 from .model import TrainableModel
 from .plot import plot_history
@@ -72,9 +73,10 @@ async def run_demo(
     eval_prompts: int = 32,
     max_tokens: int = 40,
     base_model: str | None = None,
+    engine: str | VLLMConfig = "torch",
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> DemoResult:
-    backend = LocalBackend(path=path)
+    backend = LocalBackend(path=path, engine=engine)
     model = TrainableModel(name=name, project=project, **({"base_model": base_model} if base_model else {}))
     await model.register(backend)
     try:

@@ -1,8 +1,8 @@
 """A built-in task the embedded model can learn on a CPU in minutes: short, on-topic answers.
 
-Each scenario asks about one topic. Reward = on-topic (the answer names the topic) x brevity
-(1 - completion tokens / max_tokens). The base SmolLM2-135M rambles to the token limit on most
-questions, so its reward is low but not zero; GRPO learns to answer briefly and stay on topic.
+Each scenario asks about one topic, with the system prompt "Answer in one short sentence." Reward = on-topic (the answer names the topic) x brevity
+(1 - completion tokens / max_tokens). The base SmolLM2-135M mostly ignores the instruction and runs
+to the token limit (held-out greedy reward about 0.2 at 48 tokens); GRPO learns to answer briefly and stay on topic.
 Train and held-out topics are disjoint.
 """
 
@@ -102,6 +102,9 @@ _TEMPLATES = (
 )
 
 
+SYSTEM = "Answer in one short sentence."
+
+
 class Scenario(BaseModel):
     topic: str
     prompt: str
@@ -133,7 +136,7 @@ async def rollout(
     temperature: float = 1.0,
     seed: int | None = None,
 ) -> Trajectory:
-    messages = [{"role": "user", "content": scenario.prompt}]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": scenario.prompt}]
     completion = await client.chat.completions.create(
         model=model.name, messages=messages, max_tokens=max_tokens, temperature=temperature, seed=seed
     )
