@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 
 class JourneymanError(Exception):
     """Base class for every error Journeyman raises on purpose."""
@@ -57,3 +59,31 @@ class TooManyExceptionsError(JourneymanError, RuntimeError):
 
 class NoTrainableTokensError(InvalidFieldError):
     """A trajectory has no sampled assistant tokens to train on."""
+
+
+class OwnErrorsModel(BaseModel):
+    """A pydantic model whose validators' JourneymanErrors reach the caller as themselves.
+
+    Pydantic wraps an exception raised in a validator into a ValidationError; users of ours catch
+    InvalidFieldError and read `.field`, at construction and on assignment alike.
+    """
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise _own(e) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise _own(e) from None
+
+
+def _own(e: ValidationError) -> Exception:
+    for err in e.errors():
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, JourneymanError):
+            return inner
+    return e

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 from openai import AsyncOpenAI
-from pydantic import BaseModel, Field, PrivateAttr, field_validator
+from pydantic import Field, PrivateAttr, field_validator
 
 from .adapter import LoraConfig
 from .capture import CapturedCall, add_capture_header, capture_scope
-from .errors import InvalidFieldError, JourneymanError
+from .errors import InvalidFieldError, JourneymanError, OwnErrorsModel
 from .weights import DEFAULT_BASE_MODEL
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class Capture:
         self.calls: list[CapturedCall] = []
 
 
-class TrainableModel(BaseModel):
+class TrainableModel(OwnErrorsModel):
     """A LoRA policy on `base_model`, served on an OpenAI-compatible endpoint once registered."""
 
     name: str

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .errors import EmptyGroupError, InvalidFieldError
+from .errors import EmptyGroupError, InvalidFieldError, OwnErrorsModel
 
 Message = dict[str, Any]
 MessageOrChoice = Message | Choice
@@ -56,7 +56,7 @@ def _as_choice_or_message(item: Any) -> MessageOrChoice:
     )
 
 
-class History(BaseModel):
+class History(OwnErrorsModel):
     """A side conversation inside a rollout (its own prompt prefix): trained or not, never merged."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -106,13 +106,6 @@ class Trajectory(History):
         return float(v)
 
     model_config = ConfigDict(arbitrary_types_allowed=True, validate_assignment=True)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Checked here, not only in the validator, so `traj.reward = nan` raises our own
-        # named error instead of pydantic's wrapper, and the old reward stays.
-        if name == "reward" and isinstance(value, int | float) and not math.isfinite(value):
-            raise InvalidFieldError("reward", value, "must be a finite number")
-        super().__setattr__(name, value)
 
     def log(self, message: str) -> None:
         self.logs.append(message)
