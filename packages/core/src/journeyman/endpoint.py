@@ -31,6 +31,7 @@ from .chat_format import (
 )
 from .engine import Engine, Sample, SamplingParams
 from .errors import InvalidFieldError, UnknownModelError
+from .responses_api import add_routes as add_responses_routes
 from .types import TokenRecord
 
 
@@ -337,6 +338,7 @@ def build_app(endpoint: Endpoint) -> FastAPI:
     async def captured(capture_id: str) -> dict[str, Any]:
         return {"calls": [c.model_dump() for c in endpoint.captures.pop(capture_id)]}
 
+    add_responses_routes(app, endpoint)  # POST /v1/responses, served through chat_completion
     return app
 
 
