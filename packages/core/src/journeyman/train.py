@@ -7,7 +7,9 @@ The LM head runs only on trained positions: prompt tokens need hidden states, no
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -55,9 +57,9 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
     micro_batch_tokens: int = Field(
-        4096,
+        1024,
         ge=64,
-        description="padded tokens per forward/backward; gradients accumulate across micro-batches",
+        description="padded tokens per forward/backward; gradients accumulate across micro-batches (135M fp32: peak 4.2 GB at 1024, 5.9 GB at 4096, same speed on CPU)",
     )
     max_seq_len: int = Field(4096, ge=16, description="rows longer than this are cut (counted in metrics)")
     autocast_bf16: bool = Field(
@@ -128,6 +130,21 @@ def micro_batches(rows: list[Row], budget: int) -> Iterator[list[Row]]:
         yield batch
 
 
+def _return_freed_memory() -> None:
+    """Hand freed activation memory back to the OS after a step (glibc only).
+
+    Measured here: without this, glibc keeps the freed activations of each step in its arenas and
+    the process grows by ~2 GB per step (1.5 GB -> 8.6 GB in 4 steps on the 135M model, then OOM
+    on a 24 GB machine); with it the process stays at ~1.5 GB between steps.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+        pass
+
+
 class GRPOTrainer:
     """Holds the optimizer across steps for one policy."""
 
@@ -196,6 +213,7 @@ class GRPOTrainer:
         metrics["grad_norm"] = float(grad_norm)
         metrics["padded_tokens"] = float(padded)
         metrics["train_seconds"] = time.perf_counter() - t0
+        _return_freed_memory()
         return True, metrics
 
     def _micro_step(
