@@ -139,10 +139,8 @@ def _return_freed_memory() -> None:
     """
     if not sys.platform.startswith("linux"):
         return
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl): nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl): nothing to trim
-        pass
 
 
 class GRPOTrainer:
