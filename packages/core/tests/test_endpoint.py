@@ -217,6 +217,9 @@ async def test_named_tool_choice_forces_that_tool_and_bad_choices_are_named(serv
     ]:
         with pytest.raises(openai.BadRequestError) as e:
             await client.chat.completions.create(
-                model=model.name, messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=choice
+                model=model.name,
+                messages=[{"role": "user", "content": "hi"}],
+                tools=tools,
+                tool_choice=choice,
             )
         assert e.value.body["param"] == field

@@ -119,7 +119,9 @@ def _sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> Sam
     schema = _tool_call_schema(req.tools, req.tool_choice)
     prefix, suffix = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE) if schema is not None else ("", "")
     if req.response_format is not None and schema is not None:
-        raise InvalidFieldError("response_format", req.response_format, "cannot be combined with a forced tool_choice")
+        raise InvalidFieldError(
+            "response_format", req.response_format, "cannot be combined with a forced tool_choice"
+        )
     if req.response_format is not None:
         kind = req.response_format.get("type")
         if kind == "json_schema":
