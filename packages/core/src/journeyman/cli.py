@@ -9,11 +9,14 @@ from typing import Annotated
 
 import typer
 
+from .integrations.langfuse_cli import app as langfuse_app
+
 app = typer.Typer(
     help="Journeyman: on-the-job reinforcement learning for LLM agents.",
     no_args_is_help=True,
     add_completion=False,
 )
+app.add_typer(langfuse_app, name="langfuse")  # `journeyman langfuse pull|train`
 
 
 @app.command()
