@@ -223,3 +223,33 @@ async def test_named_tool_choice_forces_that_tool_and_bad_choices_are_named(serv
                 tool_choice=choice,
             )
         assert e.value.body["param"] == field
+
+
+async def test_responses_route_records_the_same_tokens(served) -> None:
+    """/v1/responses (the Agents SDK's default API) goes through the same endpoint and records."""
+    model, backend = served
+    client = model.openai_client()
+    resp = await client.responses.create(
+        model=model.name,
+        instructions="Answer in one word.",
+        input="What colour is the sky?",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    (record,) = [jm.TokenRecord.model_validate(r) for r in resp.model_extra["journeyman"]]
+    tok = backend.service(model).chat_format.tokenizer
+    assert tok.decode(record.token_ids, skip_special_tokens=True) == resp.output_text
+    chat = await client.chat.completions.create(
+        model=model.name,
+        messages=[
+            {"role": "system", "content": "Answer in one word."},
+            {"role": "user", "content": "What colour is the sky?"},
+        ],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert jm.record_of(chat.choices[0]).prompt_token_ids == record.prompt_token_ids
+    assert chat.choices[0].message.content == resp.output_text
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.create(model=model.name, input="hi", previous_response_id="resp_x")
+    assert e.value.body["param"] == "previous_response_id"
