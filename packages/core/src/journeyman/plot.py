@@ -23,11 +23,9 @@ def plot_history(history: list[dict[str, Any]], out: Path, title: str = "reward"
             for r in history
             if r.get("split") == split and f"{split}/reward" in r
         ]
-        errs = [
-            r.get(f"{split}/reward_sem", 0.0)
-            for r in history
-            if r.get("split") == split and f"{split}/reward" in r
-        ]
+        # the SEM may sit in its own history row of the same step (demo.evaluate writes it so)
+        sems = {r["step"]: r[f"{split}/reward_sem"] for r in history if f"{split}/reward_sem" in r}
+        errs = [sems.get(step, 0.0) for step, _ in pts]
         if pts:
             xs, ys = zip(*pts, strict=True)
             ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=f"{split} (held out)")
