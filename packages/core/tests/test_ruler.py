@@ -292,3 +292,24 @@ def test_truncate_and_prompt_shape() -> None:
         prompt.ids == ["1"]
         and '<trajectory id="1">\n<message role="assistant">\nParis.' in prompt.messages[1]["content"]
     )
+
+
+@pytest.mark.integration
+async def test_train_one_step_on_ruler_rewards(rule_judge: RuleJudge, judge: Any, tmp_path: Path) -> None:
+    """The policy's own samples, scored by a judge endpoint, train one real GRPO step."""
+    question = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    async with jm.LocalBackend(path=tmp_path / "runs") as backend:
+        model = jm.TrainableModel(name="ruler-train", project="tests")
+        await model.register(backend)
+        out = await model.openai_client().chat.completions.create(
+            model=model.name, messages=question, n=6, max_tokens=12, temperature=1.3, seed=5
+        )
+        group = jm.TrajectoryGroup([jm.Trajectory(messages_and_choices=[*question, c]) for c in out.choices])
+        scored = await judge(group)
+        assert len(set(scored.rewards())) > 1, [c.message.content for c in out.choices]
+        result = await model.train([scored], config=jm.TrainConfig(learning_rate=1e-4))
+        assert not result.skipped and result.step == 1 and result.metrics["trained_tokens"] > 0
+        assert await model.get_step() == 1
