@@ -1,4 +1,4 @@
-"""RULER with the embedded model as its own offline judge (judge="local"), and one training step on it.
+"""RULER with the embedded model as its own offline judge (judge="local").
 
 The 135M judge is no oracle; these tests check the machinery on the real engine: its answers are
 valid under the schema (constrained decoding), duplicates are judged once, a cached group costs no
