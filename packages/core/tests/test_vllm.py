@@ -1,0 +1,382 @@
+"""The vLLM engine (CPU build, its own environment) behind our endpoint: records, tools, training, hot-load.
+
+At most one vLLM server runs at a time (each takes ~1 min and ~5 GB to start on this CPU), so the tests
+run in file order: the supervisor's failure paths, the learning run (`run_demo`, its own server), then
+one shared server for the base-model checks followed by one training step with its hot-load. The
+environment is provisioned on first use (`journeyman.engine.vllm_env`); these tests skip only when it
+is absent and no package index is reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import journeyman as jm
+import jsonschema
+import pytest
+import torch
+from journeyman import tasks
+from journeyman.chat_format import parse_completion
+from journeyman.demo import run_demo
+from journeyman.engine import vllm_env
+from journeyman.engine.vllm_engine import VLLMEngine
+from journeyman.engine.vllm_server import VLLMConfig
+
+# Startup dominates on 2 shared cores (50 s idle, up to 4 min under load); learning takes ~10 min.
+pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(1800)]
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+# One worked example makes the 135M model imitate the tool-call format.
+FEW_SHOT: list[dict[str, Any]] = [
+    {"role": "system", "content": "You answer weather questions. Always call get_weather first."},
+    {"role": "user", "content": "What's the weather in Rome?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c0", "content": "18C, cloudy"},
+    {"role": "assistant", "content": "It is 18C and cloudy in Rome."},
+    {"role": "user", "content": "What's the weather in Paris?"},
+]
+
+
+@pytest.fixture(scope="module")
+def vllm_python(pytestconfig: pytest.Config) -> str:
+    # Built once per machine, outside the checkout; the first run shows its progress (a few minutes).
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    try:
+        if vllm_env.is_provisioned() or capture is None:
+            return str(vllm_env.provision())
+        with capture.global_and_fixture_disabled():
+            return str(vllm_env.provision())
+    except vllm_env.VLLMProvisionError as e:
+        if e.unreachable:
+            pytest.skip(f"no vLLM environment and no package index reachable to build one: {e}")
+        raise
+
+
+@pytest.fixture(scope="module")
+async def vllm_served(vllm_python: str, tmp_path_factory: pytest.TempPathFactory):
+    backend = jm.LocalBackend(
+        path=tmp_path_factory.mktemp("vllm-runs"), engine=VLLMConfig(python=vllm_python)
+    )
+    model = jm.TrainableModel(name="vllm-policy", project="tests")
+    await model.register(backend)
+    engine = backend.service(model).engine
+    assert isinstance(engine, VLLMEngine)
+    print(f"\nvLLM server ready in {engine.server.startup_seconds:.1f} s")
+    yield model, backend
+    backend.close()
+    assert not engine.server.alive()
+
+
+def test_provisioning_without_a_reachable_index_says_how(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one case the vLLM tests skip: no index answers. The error says so and how to provision by hand."""
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # a closed port: refused at once
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "3")
+    env_dir = tmp_path / "vllm-env"
+    with pytest.raises(vllm_env.VLLMProvisionError) as e:
+        vllm_env.provision(env_dir, log=False)
+    assert e.value.unreachable
+    assert "no package index is reachable" in str(e.value) and "python -m journeyman.engine.vllm_env" in str(
+        e.value
+    )
+    assert not vllm_env.is_provisioned(env_dir)
+
+
+def test_server_dies_with_a_killed_parent(vllm_python: str, tmp_path: Path) -> None:
+    """SIGKILL the process that started vLLM: the kernel's parent-death signal takes the server down."""
+    from journeyman.weights import DEFAULT_BASE_MODEL, resolve_base_model
+
+    weights = resolve_base_model(DEFAULT_BASE_MODEL)
+    pid_file = tmp_path / "pid"
+    script = textwrap.dedent(
+        f"""
+        import time
+        from pathlib import Path
+        from journeyman.engine.vllm_server import VLLMConfig, VLLMServer
+        server = VLLMServer(Path({str(weights)!r}), VLLMConfig(python={vllm_python!r}, startup_timeout_s=300))
+        server.port = 0
+        server._spawn()  # start only: the parent dies long before the server would be ready
+        Path({str(pid_file)!r}).write_text(str(server.pid))
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert parent.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        child = int(pid_file.read_text())
+        # Wait for vLLM's engine-core process: it too must go when the parent dies.
+        deadline = time.monotonic() + 240
+        while len(_group(child)) < 3 and time.monotonic() < deadline:
+            assert _group(child), "the vLLM server exited on its own"
+            time.sleep(0.5)
+        assert len(_group(child)) >= 3
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 60
+    while _group(child) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _group(child), "the vLLM server outlived its parent"
+
+
+def _group(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().split(")")[-1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def test_start_failure_shows_the_server_log(vllm_python: str) -> None:
+    from journeyman.engine.vllm_server import VLLMServer, VLLMStartError
+    from journeyman.weights import DEFAULT_BASE_MODEL, resolve_base_model
+
+    server = VLLMServer(
+        resolve_base_model(DEFAULT_BASE_MODEL),
+        VLLMConfig(python=vllm_python, extra_args=["--no-such-flag"], startup_timeout_s=300),
+    )
+    with pytest.raises(VLLMStartError) as e:
+        server.start()
+    assert "exited with code" in str(e.value) and "--no-such-flag" in str(e.value)
+    assert not server.alive()
+
+
+async def test_grpo_learns_with_the_vllm_engine(vllm_python: str, tmp_path: Path) -> None:
+    """The core learning test (test_learning.py's settings) with engine="vllm": its own server, closed after."""
+    steps: list[dict[str, float]] = []
+    t0 = time.perf_counter()
+    result = await run_demo(
+        path=tmp_path,
+        steps=10,
+        engine=VLLMConfig(python=vllm_python),
+        on_step=lambda _, m: steps.append(m),
+    )
+    gaps = [m["engine_trainer_logprob_gap"] for m in steps]
+    print(
+        f"\nvLLM: held-out reward {result.before.mean:.3f}±{result.before.sem:.3f} -> "
+        f"{result.after.mean:.3f}±{result.after.sem:.3f} ({result.gain_in_sems:.1f} SE) in "
+        f"{time.perf_counter() - t0:.0f} s; engine-trainer logprob gap per step (mean |Δ|): "
+        + " ".join(f"{g:.1e}" for g in gaps)
+        + "; adapter loads: "
+        + " ".join(f"{m['adapter_load_seconds']:.2f}" for m in steps)
+        + " s"
+    )
+    assert result.gain_in_sems > 3, result
+    # every step was sampled by vLLM on the adapter the trainer had just produced
+    assert len(steps) == 10 and max(gaps) < 1e-3, gaps
+
+
+def teacher_forced(backend: jm.LocalBackend, model: jm.TrainableModel, record: jm.TokenRecord) -> list[float]:
+    """The trainer's logprobs of the sampled tokens: the in-process policy (base + current adapter)."""
+    policy = backend.service(model).policy
+    ids = torch.tensor([record.prompt_token_ids + record.token_ids], device=policy.device)
+    with torch.inference_mode(), policy.lock:
+        logp = torch.log_softmax(policy.model(input_ids=ids).logits[0].float(), dim=-1)
+    n = len(record.prompt_token_ids)
+    return [float(logp[n - 1 + i, t]) for i, t in enumerate(record.token_ids)]
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+async def test_records_are_exact_and_match_the_in_process_engine(vllm_served, served) -> None:
+    model, backend = vllm_served
+    torch_model, _ = served
+    msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
+    cf = backend.service(model).chat_format
+    expected_prompt, _ = cf.prompt_ids(msgs)
+
+    greedy = [
+        await m.openai_client().chat.completions.create(
+            model=m.name, messages=msgs, max_tokens=24, temperature=0
+        )
+        for m in (model, torch_model)
+    ]
+    via_vllm, via_torch = (jm.record_of(g.choices[0]) for g in greedy)
+    assert via_vllm.prompt_token_ids == expected_prompt == via_torch.prompt_token_ids
+    assert via_vllm.token_ids == via_torch.token_ids  # same weights, fp32, same ids in: same greedy path
+    assert max_diff(via_vllm.logprobs, via_torch.logprobs) < 1e-3
+    assert via_vllm.model == f"{model.name}@0" and via_vllm.step == 0
+
+    sampled = await model.openai_client().chat.completions.create(
+        model=model.name,
+        messages=msgs,
+        max_tokens=24,
+        temperature=1.0,
+        n=3,
+        seed=5,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    records = [jm.record_of(c) for c in sampled.choices]
+    assert len({tuple(r.token_ids) for r in records}) > 1  # n samples are distinct draws
+    for choice, rec in zip(sampled.choices, records, strict=True):
+        assert cf.tokenizer.decode(rec.token_ids, skip_special_tokens=True) == choice.message.content
+        assert (
+            max_diff(teacher_forced(backend, model, rec), rec.logprobs) < 1e-3
+        )  # raw temperature-1 logprobs
+        top = choice.logprobs.content[0].top_logprobs
+        assert len(top) == 2 and top[0].logprob >= top[1].logprob
+    again = await model.openai_client().chat.completions.create(
+        model=model.name, messages=msgs, max_tokens=24, temperature=1.0, n=3, seed=5
+    )
+    assert [jm.record_of(c).token_ids for c in again.choices] == [r.token_ids for r in records]  # seeded
+
+    stopped = await model.openai_client().chat.completions.create(
+        model=model.name, messages=msgs, max_tokens=40, temperature=0, stop=["\n", "."]
+    )
+    assert "." not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
+
+
+async def test_tool_trajectory_through_vllm_is_token_exact(vllm_served) -> None:
+    model, backend = vllm_served
+    client = model.openai_client()
+    # The 135M model rarely calls a tool on its own: tool_choice="required" has vLLM decode under a
+    # grammar (literal <tool_call> tags around JSON matching a listed tool), as agents on small models do.
+    first = await client.chat.completions.create(
+        model=model.name,
+        messages=FEW_SHOT,
+        tools=TOOLS,
+        tool_choice="required",
+        seed=7,
+        temperature=0.7,
+        max_tokens=60,
+    )
+    call = first.choices[0]
+    assert call.finish_reason == "tool_calls", call.message.content
+    tool_call = call.message.tool_calls[0]
+    traj = jm.Trajectory(messages_and_choices=[*FEW_SHOT, call], tools=TOOLS)
+    traj.messages_and_choices.append({"role": "tool", "tool_call_id": tool_call.id, "content": "21C, sunny"})
+    second = await client.chat.completions.create(
+        model=model.name, messages=traj.messages(), tools=TOOLS, temperature=0, max_tokens=30
+    )
+    traj.messages_and_choices.append(second.choices[0])
+
+    rec1, rec2 = traj.records()
+    tok = backend.service(model).chat_format.tokenizer
+    content, parsed = parse_completion(tok.decode(rec1.token_ids, skip_special_tokens=True))
+    assert content == call.message.content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed] == [
+        (tool_call.function.name, json.loads(tool_call.function.arguments))
+    ]
+    # the second prompt holds the first call's sampled ids verbatim (spliced, not re-rendered)
+    assert rec2.spliced_turns >= 1
+    start = len(rec1.prompt_token_ids)
+    assert rec2.prompt_token_ids[: start + len(rec1.token_ids)] == rec1.prompt_token_ids + rec1.token_ids
+    for rec in (rec1, rec2):
+        assert max_diff(teacher_forced(backend, model, rec), rec.logprobs) < 1e-3
+
+
+async def test_json_schema_output_through_vllm(vllm_served) -> None:
+    model, backend = vllm_served
+    schema = {
+        "type": "object",
+        "properties": {
+            "verdict": {"type": "string", "enum": ["yes", "no"]},
+            "score": {"type": "integer", "enum": list(range(11))},
+        },
+        "required": ["verdict", "score"],
+        "additionalProperties": False,
+    }
+    out = await model.openai_client().chat.completions.create(
+        model=model.name,
+        messages=[{"role": "user", "content": "Is the sea blue? Answer in JSON."}],
+        max_tokens=30,
+        seed=3,
+        n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": schema}},
+    )
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+        assert "\n" not in choice.message.content
+        # vLLM masks logits before it scores them; the engine rescores so records hold unmasked logprobs
+        rec = jm.record_of(choice)
+        assert max_diff(teacher_forced(backend, model, rec), rec.logprobs) < 1e-3
+
+
+def _rollout_groups(model: jm.TrainableModel, split: str, prompts: int, group_size: int, seed: int):
+    client = model.openai_client()
+    return jm.gather_trajectory_groups(
+        (
+            jm.TrajectoryGroup(tasks.rollout(model, client, s, max_tokens=40) for _ in range(group_size))
+            for s in tasks.scenarios(split, prompts, seed=seed)
+        ),
+        pbar_desc=None,
+    )
+
+
+async def test_training_step_hot_loads_the_adapter_vllm_serves(vllm_served) -> None:
+    """After one step, vLLM's logprobs for newly sampled tokens equal the trainer's to 1e-3 (fp32)."""
+    model, backend = vllm_served
+    engine = backend.service(model).engine
+    groups = await _rollout_groups(model, "train", prompts=4, group_size=4, seed=11)
+    # A large learning rate so the adapter moves logprobs far more than the 1e-3 tolerance.
+    result = await model.train(groups, config=jm.TrainConfig(learning_rate=2e-3))
+    assert not result.skipped and result.step == 1 == await model.get_step()
+    load_s = result.metrics["adapter_load_seconds"]
+    print(f"\nadapter hot-load: {load_s:.3f} s (engine-side {engine.adapter_load_seconds[-1]:.3f} s)")
+    assert load_s < 10
+    assert engine.served_model == "policy@1"
+
+    out = await model.openai_client().chat.completions.create(
+        model=model.name,
+        messages=[{"role": "user", "content": "Tell me about the ocean."}],
+        max_tokens=32,
+        n=4,
+        seed=1,
+    )
+    policy = backend.service(model).policy
+    moved = 0.0
+    for choice in out.choices:
+        rec = jm.record_of(choice)
+        assert rec.step == 1 and rec.model == f"{model.name}@1"
+        trainer = teacher_forced(backend, model, rec)
+        assert max_diff(trainer, rec.logprobs) < 1e-3
+        with policy.base_only():
+            moved = max(moved, max_diff(teacher_forced(backend, model, rec), rec.logprobs))
+    assert moved > 1e-2, "the served logprobs should differ from the base model's after a step"
