@@ -371,12 +371,15 @@ async def test_training_step_hot_loads_the_adapter_vllm_serves(vllm_served) -> N
         seed=1,
     )
     policy = backend.service(model).policy
-    moved = 0.0
+    moved = gap = 0.0
     for choice in out.choices:
         rec = jm.record_of(choice)
         assert rec.step == 1 and rec.model == f"{model.name}@1"
-        trainer = teacher_forced(backend, model, rec)
-        assert max_diff(trainer, rec.logprobs) < 1e-3
+        gap = max(gap, max_diff(teacher_forced(backend, model, rec), rec.logprobs))
         with policy.base_only():
             moved = max(moved, max_diff(teacher_forced(backend, model, rec), rec.logprobs))
+    print(
+        f"after one step + hot-load: max |vLLM - trainer| logprob {gap:.2e}; base model differs by {moved:.2f}"
+    )
+    assert gap < 1e-3
     assert moved > 1e-2, "the served logprobs should differ from the base model's after a step"
