@@ -12,30 +12,17 @@ histories, `trainable` when their agent is trained.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from journeyman import History, TokenRecord, Trajectory
 from journeyman.capture import CapturedCall
-from journeyman.chat_format import assistant_key
+from journeyman.chat_format import assistant_key, openai_message
 from journeyman.responses_api import response_id_of
 from openai.types.chat.chat_completion import Choice
 
 from ._tracing import SpanInfo, agent_of
-
-
-def _openai_message(m: dict[str, Any]) -> dict[str, Any]:
-    """The endpoint stores normalised messages (tool arguments as objects); give OpenAI's shape back."""
-    if not m.get("tool_calls"):
-        return dict(m)
-    calls = []
-    for c in m["tool_calls"]:
-        fn = c["function"]
-        args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"])
-        calls.append({**c, "function": {"name": fn["name"], "arguments": args}})
-    return {**m, "tool_calls": calls}
 
 
 def agents_of_calls(calls: list[CapturedCall], spans: list[SpanInfo]) -> list[str | None]:
@@ -97,7 +84,7 @@ def build_trajectory(
             new = call.request_messages
         else:  # skip what the chain holds: its messages and the choice standing for the assistant turn
             new = call.request_messages[chain.n_request_messages + 1 :]
-        chain.items += [_openai_message(m) for m in new]
+        chain.items += [openai_message(m) for m in new]
         chain.items.append(choice)
         chain.ids = [*prompt, *rec.token_ids]
         chain.n_request_messages = len(call.request_messages)

@@ -92,6 +92,18 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def openai_message(m: dict[str, Any]) -> dict[str, Any]:
+    """Undo `normalize_messages` for tool calls: arguments back to a JSON string, as OpenAI sends them."""
+    if not m.get("tool_calls"):
+        return dict(m)
+    calls = []
+    for c in m["tool_calls"]:
+        fn = c["function"]
+        args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"])
+        calls.append({**c, "function": {"name": fn["name"], "arguments": args}})
+    return {**m, "tool_calls": calls}
+
+
 def assistant_key(content: str | None, tool_calls: Sequence[dict[str, Any]] | None) -> str:
     """What identifies an assistant turn across frameworks: its text and calls, not call ids."""
     calls = []

@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .capture import CAPTURE_HEADER, CapturedCall, Captures
+from .capture import CapturedCall, Captures
 from .chat_format import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -31,6 +31,7 @@ from .chat_format import (
 )
 from .engine import Engine, Sample, SamplingParams
 from .errors import InvalidFieldError, UnknownModelError
+from .openai_http import handle_json
 from .responses_api import add_routes as add_responses_routes
 from .types import TokenRecord
 
@@ -262,13 +263,6 @@ class Endpoint:
         return {"content": content, "refusal": None}
 
 
-def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"message": message, "type": kind, "param": param, "code": None}},
-    )
-
-
 def _chunks(response: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
     """The finished completion as OpenAI stream chunks (role, content, tool calls, finish)."""
 
@@ -319,22 +313,14 @@ def build_app(endpoint: Endpoint) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return _error(400, f"body is not JSON: {e}", None)
-        if not isinstance(body, dict):
-            return _error(400, "body must be a JSON object", None)
-        try:
-            response = await endpoint.chat_completion(body, request.headers.get(CAPTURE_HEADER))
-        except UnknownModelError as e:
-            return _error(404, str(e), "model", "model_not_found")
-        except InvalidFieldError as e:
-            return _error(400, str(e), e.field)
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_chunks(response, include_usage), media_type="text/event-stream")
-        return response
+        async def handle(body: dict[str, Any], capture_id: str | None) -> Any:
+            response = await endpoint.chat_completion(body, capture_id)
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return StreamingResponse(_chunks(response, include_usage), media_type="text/event-stream")
+            return response
+
+        return await handle_json(request, handle)
 
     @app.get("/v1/journeyman/captures/{capture_id}")
     async def captured(capture_id: str) -> dict[str, Any]:

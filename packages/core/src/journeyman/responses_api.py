@@ -22,11 +22,11 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
-from .capture import CAPTURE_HEADER
 from .chat_format import _text
-from .errors import InvalidFieldError, UnknownModelError
+from .errors import InvalidFieldError
+from .openai_http import handle_json
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -285,36 +285,19 @@ async def _sse(response: dict[str, Any]) -> AsyncIterator[str]:
         yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
 
 
-def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"message": message, "type": kind, "param": param, "code": None}},
-    )
-
-
 def add_routes(app: FastAPI, endpoint: Endpoint) -> None:
     """Register `POST /v1/responses` on the endpoint's app."""
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return _error(400, f"body is not JSON: {e}", None)
-        if not isinstance(body, dict):
-            return _error(400, "body must be a JSON object", None)
-        try:
-            completion = await endpoint.chat_completion(
-                chat_request(body), request.headers.get(CAPTURE_HEADER)
-            )
+        async def handle(body: dict[str, Any], capture_id: str | None) -> Any:
+            completion = await endpoint.chat_completion(chat_request(body), capture_id)
             response = response_from_chat(completion, body)
-        except UnknownModelError as e:
-            return _error(404, str(e), "model", "model_not_found")
-        except InvalidFieldError as e:
-            return _error(400, str(e), e.field)
-        if body.get("stream"):
-            return StreamingResponse(_sse(response), media_type="text/event-stream")
-        return response
+            if body.get("stream"):
+                return StreamingResponse(_sse(response), media_type="text/event-stream")
+            return response
+
+        return await handle_json(request, handle)
 
 
 __all__ = ["add_routes", "chat_messages", "chat_request", "response_from_chat", "response_id_of"]

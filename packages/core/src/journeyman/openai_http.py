@@ -1,0 +1,40 @@
+"""OpenAI-style HTTP plumbing shared by the endpoint's routes: JSON bodies in, errors out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from .capture import CAPTURE_HEADER
+from .errors import InvalidFieldError, UnknownModelError
+
+
+def error_response(
+    status: int, message: str, param: str | None, kind: str = "invalid_request_error"
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": kind, "param": param, "code": None}},
+    )
+
+
+async def handle_json(
+    request: Request, handle: Callable[[dict[str, Any], str | None], Awaitable[Any]]
+) -> Any:
+    """Parse a JSON-object body, run `handle(body, capture_id)`, map our errors to OpenAI's 404/400."""
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as e:
+        return error_response(400, f"body is not JSON: {e}", None)
+    if not isinstance(body, dict):
+        return error_response(400, "body must be a JSON object", None)
+    try:
+        return await handle(body, request.headers.get(CAPTURE_HEADER))
+    except UnknownModelError as e:
+        return error_response(404, str(e), "model", "model_not_found")
+    except InvalidFieldError as e:
+        return error_response(400, str(e), e.field)
