@@ -4,7 +4,7 @@
    policy call, exact token records in its metadata, the reward as score `reward`).
 2. Review: people score traces in Langfuse (annotation queue or the trace view) under a score
    name, here `review`. `--auto-review` stands in for them so the example runs unattended: it gives
-   1 to answers that stay on topic in under 20 tokens, 0 otherwise.
+   1 to on-topic answers shorter than their group's median, 0 otherwise.
 3. Import: pull the scored traces back as TrajectoryGroups (same token ids as were sampled) and
    train one GRPO step on the review scores.
 
@@ -45,13 +45,15 @@ async def export_run(
 
 
 def auto_review(groups: list[jm.TrajectoryGroup]) -> None:
-    """What a reviewer would click, as a rule: on topic and brief is good."""
+    """What a reviewer would click, as a rule: the on-topic answers in the shorter half of each group are good."""
     from langfuse import get_client
 
     lf = get_client()
     for group in groups:
+        lengths = sorted(int(t.metrics["completion_tokens"]) for t in group.trajectories)
+        median = lengths[len(lengths) // 2]
         for t in group.trajectories:
-            good = bool(t.metrics["on_topic"]) and int(t.metrics["completion_tokens"]) < 20
+            good = bool(t.metrics["on_topic"]) and int(t.metrics["completion_tokens"]) < median
             lf.create_score(name="review", value=1.0 if good else 0.0, trace_id=t.metadata[TRACE_ID_KEY])
     lf.flush()
 
