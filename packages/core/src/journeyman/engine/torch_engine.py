@@ -224,15 +224,27 @@ class TorchEngine(Engine):
         sampled_rows = (temps > 0).nonzero().flatten().tolist()
         if not sampled_rows:
             return greedy
-        scaled = logits[sampled_rows] / temps[sampled_rows, None]
-        probs = torch.softmax(scaled, dim=-1)
-        # nucleus (top-p): keep the smallest set of tokens whose mass reaches p
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = (sorted_p.cumsum(-1) - sorted_p) > top_ps[sampled_rows, None]
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        for j, b in enumerate(sampled_rows):
-            greedy[b] = torch.multinomial(probs[j], 1, generator=rows[b].generator).squeeze()
+        probs = torch.softmax(logits[sampled_rows] / temps[sampled_rows, None], dim=-1)
+        p = top_ps[sampled_rows]
+        if bool((p < 1).any()):
+            # nucleus (top-p): keep the smallest set of tokens whose mass reaches p. The sort is
+            # as costly as a decode forward of this model, so it runs only when someone asks for it.
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = (sorted_p.cumsum(-1) - sorted_p) > p[:, None]
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        # Inverse-CDF sampling: one uniform per row from that row's own generator (seeded rows
+        # reproduce whatever they are batched with), one batched searchsorted for all rows.
+        cdf = probs.cumsum(dim=-1)
+        u = torch.cat(
+            [torch.rand(1, generator=rows[b].generator, device=logits.device) for b in sampled_rows]
+        )
+        # right=True: the first token whose cumulative mass exceeds the draw, so a zero-mass
+        # (e.g. grammar-masked) token is never picked; float round-off at the top falls back to argmax.
+        picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+        picks = picks.clamp(max=logits.shape[-1] - 1)
+        bad = probs.gather(1, picks[:, None]).squeeze(1) <= 0
+        picks = torch.where(bad, probs.argmax(dim=-1), picks)
+        greedy[sampled_rows] = picks
         return greedy
 
     def _check_finished(self, row: _Row) -> None:
