@@ -1,0 +1,297 @@
+"""`mcp-rl`: teach a model to use an MCP server's tools, from nothing but the server.
+
+mcp-rl train http://127.0.0.1:8000/mcp --steps 10
+mcp-rl train -- mcp-server-time --local-timezone UTC
+mcp-rl scenarios stdio:"python examples/mcp_todo_server.py" --num-scenarios 8
+mcp-rl eval http://127.0.0.1:8000/mcp --step 3
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    help="MCP·RL: train a model to use any MCP server's tools (scenarios, rollouts, RULER, GRPO).",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+Server = Annotated[
+    list[str],
+    typer.Argument(
+        help="the server: a Streamable HTTP URL (http://host:port/mcp), an SSE URL (.../sse), "
+        "'stdio:<command>', or a command after '--' (mcp-rl train -- mcp-server-time)",
+        show_default=False,
+    ),
+]
+Out = Annotated[Path, typer.Option(help="backend directory; the run is <out>/<project>/models/<model>")]
+ModelName = Annotated[str, typer.Option("--model", help="name of the trained model (its run directory)")]
+Project = Annotated[str, typer.Option(help="project name (a directory under --out)")]
+BaseModel_ = Annotated[
+    str | None,
+    typer.Option(
+        "--base-model",
+        help="embedded model name, local HF directory or hub id (default: embedded SmolLM2-135M)",
+    ),
+]
+Engine = Annotated[str, typer.Option(help="inference engine: torch (in process) or vllm")]
+Tools = Annotated[
+    str | None, typer.Option("--tools", help="comma-separated tool names to train on (default: all)")
+]
+Generator = Annotated[
+    str,
+    typer.Option(
+        help="scenario generator: local (the policy), none (tool schemas only), an OpenAI-compatible URL, or a LiteLLM id"
+    ),
+]
+GeneratorModel = Annotated[str | None, typer.Option(help="model to ask when --generator is a URL")]
+ScenariosFile = Annotated[
+    Path | None, typer.Option(help="read scenarios from this JSON file (as written by `mcp-rl scenarios`)")
+]
+NumScenarios = Annotated[int, typer.Option(help="scenarios to generate (train + eval)")]
+NumEval = Annotated[int, typer.Option(help="of those, held out for evaluation")]
+MaxTurns = Annotated[int, typer.Option(help="model turns per episode")]
+MaxTokens = Annotated[int, typer.Option(help="max tokens per model turn")]
+ForcedTurns = Annotated[int, typer.Option(help="first turns forced to be a tool call (tool_choice=required)")]
+Connections = Annotated[int, typer.Option(help="MCP sessions shared by concurrent rollouts")]
+MaxArgChars = Annotated[
+    int,
+    typer.Option(
+        help="cap string tool arguments at this many characters, so forced calls always close (0: off)"
+    ),
+]
+Seed = Annotated[int, typer.Option(help="seed for scenario generation, split and sampling order")]
+
+
+def _settings(server: list[str], **kw: object):  # -> McpRlSettings (imported lazily: --help stays fast)
+    from .rollout import RolloutConfig
+    from .server import ServerSpec
+    from .train import McpRlSettings
+
+    tools = kw.pop("tools")
+    rollout_keys = {"max_turns", "forced_turns", "max_tokens", "tool_timeout", "shaping"}
+    rollout = RolloutConfig(**{k: kw.pop(k) for k in list(kw) if k in rollout_keys})
+    return McpRlSettings(
+        server=ServerSpec.parse(server),
+        tools=[t.strip() for t in str(tools).split(",") if t.strip()] if tools else [],
+        rollout=rollout,
+        **kw,
+    )
+
+
+def _run(coro_fn, *args: object) -> object:
+    """Run, turning the errors a user can fix into one clear line and exit code 1 (no traceback)."""
+    from journeyman.errors import JourneymanError
+
+    try:
+        return asyncio.run(coro_fn(*args))
+    except (JourneymanError, ImportError, FileNotFoundError) as e:
+        typer.secho(f"mcp-rl: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.secho("mcp-rl: interrupted", fg=typer.colors.RED, err=True)
+        raise typer.Exit(130) from None
+
+
+def _echo(msg: str) -> None:
+    typer.echo(msg, err=True)
+
+
+@app.command()
+def train(
+    server: Server,
+    model: ModelName = "mcp-agent",
+    project: Project = "mcp-rl",
+    base_model: BaseModel_ = None,
+    judge: Annotated[
+        str,
+        typer.Option(
+            help="RULER judge: local (a frozen copy of the base model), none, an OpenAI-compatible URL, or a LiteLLM id"
+        ),
+    ] = "local",
+    judge_model: Annotated[str | None, typer.Option(help="model to ask when --judge is a URL")] = None,
+    generator: Generator = "local",
+    generator_model: GeneratorModel = None,
+    scenarios_file: ScenariosFile = None,
+    num_scenarios: NumScenarios = 16,
+    num_eval: NumEval = 4,
+    steps: Annotated[int, typer.Option(help="training steps")] = 3,
+    groups_per_step: Annotated[int, typer.Option(help="scenarios per step")] = 2,
+    group_size: Annotated[int, typer.Option(help="rollouts per scenario (GRPO group)")] = 4,
+    learning_rate: Annotated[float, typer.Option(help="AdamW learning rate of the LoRA")] = 1e-4,
+    max_turns: MaxTurns = 3,
+    forced_turns: ForcedTurns = 1,
+    max_tokens: MaxTokens = 96,
+    tool_timeout: Annotated[float, typer.Option(help="seconds per tool call")] = 30.0,
+    shaping: Annotated[float, typer.Option(help="reward weight of the valid-tool-call fraction")] = 0.1,
+    eval_every: Annotated[
+        int, typer.Option(help="also evaluate every K steps (0: before and after only)")
+    ] = 0,
+    tools: Tools = None,
+    connections: Connections = 4,
+    max_arg_chars: MaxArgChars = 64,
+    max_exceptions: Annotated[
+        float, typer.Option(help="failed rollouts tolerated per step (count, or fraction < 1)")
+    ] = 0.25,
+    engine: Engine = "torch",
+    out: Out = Path(".journeyman"),
+    seed: Seed = 0,
+) -> None:
+    """Generate scenarios, evaluate, train with RULER + GRPO, evaluate again; print a before/after table."""
+    from .train import train as run_train
+
+    settings = _settings(
+        server,
+        model=model,
+        project=project,
+        base_model=base_model,
+        judge=judge,
+        judge_model=judge_model,
+        generator=generator,
+        generator_model=generator_model,
+        scenarios_file=scenarios_file,
+        num_scenarios=num_scenarios,
+        num_eval=num_eval,
+        steps=steps,
+        groups_per_step=groups_per_step,
+        group_size=group_size,
+        learning_rate=learning_rate,
+        max_turns=max_turns,
+        forced_turns=forced_turns,
+        max_tokens=max_tokens,
+        tool_timeout=tool_timeout,
+        shaping=shaping,
+        eval_every=eval_every,
+        tools=tools,
+        connections=connections,
+        max_arg_chars=max_arg_chars,
+        max_exceptions=max_exceptions,
+        engine=engine,
+        out=out,
+        seed=seed,
+    )
+    report = _run(run_train, settings, _echo)
+    typer.echo(report.table())  # type: ignore[attr-defined]
+    typer.echo(f"run directory: {report.run_dir}")  # type: ignore[attr-defined]
+    typer.echo(f"checkpoints:   {report.run_dir / 'checkpoints'}")  # type: ignore[attr-defined]
+    typer.echo(f"reward curve:  {report.plot}")  # type: ignore[attr-defined]
+    typer.echo(f"scenarios:     {report.scenarios_file}")  # type: ignore[attr-defined]
+
+
+@app.command()
+def scenarios(
+    server: Server,
+    generator: Generator = "local",
+    generator_model: GeneratorModel = None,
+    num_scenarios: NumScenarios = 16,
+    num_eval: NumEval = 4,
+    tools: Tools = None,
+    base_model: BaseModel_ = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="where to write the scenarios JSON")] = Path(
+        "scenarios.json"
+    ),
+    seed: Seed = 0,
+) -> None:
+    """Generate scenarios for a server and save them (edit by hand, then pass --scenarios-file to train)."""
+    from .scenarios import ScenarioSet, generate_scenarios, split
+    from .train import connect
+
+    settings = _settings(
+        server,
+        tools=tools,
+        generator=generator,
+        generator_model=generator_model,
+        num_scenarios=num_scenarios,
+        num_eval=num_eval,
+        base_model=base_model,
+        seed=seed,
+        connections=1,
+    )
+
+    async def go() -> ScenarioSet:
+        import journeyman as jm
+
+        pool, info = await connect(settings, _echo)
+        backend = None
+        try:
+            gen = generator
+            if generator == "local":  # the policy model generates: serve it for this command
+                backend = jm.LocalBackend(path=Path(".journeyman"))
+                m = jm.TrainableModel(
+                    name="mcp-rl-generator",
+                    project="mcp-rl",
+                    **({"base_model": base_model} if base_model else {}),
+                )
+                _echo("loading the generator model...")
+                await m.register(backend)
+                gen = f"local:{m.name}"
+            items, rep = await generate_scenarios(
+                info, num_scenarios, generator=gen, generator_model=generator_model, seed=seed
+            )
+            _echo(
+                f"{rep.from_generator} from the generator, {rep.from_schema} from tool schemas, "
+                f"{rep.rejected} rejected"
+                + (f"; generator failed: {rep.generator_error}" if rep.generator_error else "")
+            )
+            tr, ev = split(items, num_eval, seed=seed)
+            return ScenarioSet(server=settings.server.label(), tools=info.tool_names(), train=tr, eval=ev)
+        finally:
+            if backend is not None:
+                backend.close()
+            await pool.__aexit__(None, None, None)
+
+    sset = _run(go)
+    sset.save(output)  # type: ignore[attr-defined]
+    for split_name, items in (("train", sset.train), ("eval", sset.eval)):  # type: ignore[attr-defined]
+        for s in items:
+            typer.echo(f"[{split_name}] d{s.difficulty} {','.join(s.tools):<20} {s.task}")
+    typer.echo(f"saved to {output}")
+
+
+@app.command("eval")
+def eval_(
+    server: Server,
+    step: Annotated[
+        int | None, typer.Option(help="checkpoint step to evaluate (0 = base model; default: latest)")
+    ] = None,
+    model: ModelName = "mcp-agent",
+    project: Project = "mcp-rl",
+    base_model: BaseModel_ = None,
+    scenarios_file: ScenariosFile = None,
+    max_turns: MaxTurns = 3,
+    forced_turns: ForcedTurns = 1,
+    max_tokens: MaxTokens = 96,
+    tools: Tools = None,
+    connections: Connections = 4,
+    max_arg_chars: MaxArgChars = 64,
+    engine: Engine = "torch",
+    out: Out = Path(".journeyman"),
+) -> None:
+    """Evaluate a checkpoint of a trained run on its held-out scenarios."""
+    from .train import TrainReport, eval_step
+
+    settings = _settings(
+        server,
+        model=model,
+        project=project,
+        base_model=base_model,
+        scenarios_file=scenarios_file,
+        max_turns=max_turns,
+        forced_turns=forced_turns,
+        max_tokens=max_tokens,
+        tools=tools,
+        connections=connections,
+        max_arg_chars=max_arg_chars,
+        engine=engine,
+        out=out,
+    )
+    summary = _run(eval_step, settings, step, _echo)
+    typer.echo(TrainReport(run_dir=out, scenarios_file=out, evals=[summary], steps=[]).table())  # type: ignore[list-item]
+
+
+if __name__ == "__main__":
+    app()

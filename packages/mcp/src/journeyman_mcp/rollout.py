@@ -1,0 +1,195 @@
+"""One multi-turn tool-use episode of the policy against the real MCP server → a Trajectory.
+
+The policy sees the task, the server's tools and a `complete_task` tool. Every completion is kept
+as the endpoint's Choice (its exact token record rides along), every tool result as a tool message.
+Tool errors, bad arguments and timeouts go back to the model as tool results; only a server that
+goes away fails the rollout.
+
+The embedded 135M model almost never calls a tool on its own, so the first `forced_turns` turns use
+`tool_choice="required"` (the endpoint then decodes exactly one well-formed call of a listed tool);
+later turns are free.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import journeyman as jm
+from openai import AsyncOpenAI, BadRequestError
+from pydantic import BaseModel, Field
+
+from .scenarios import Scenario
+from .server import Connection, ServerInfo
+
+COMPLETE_TASK = "complete_task"
+
+COMPLETE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": COMPLETE_TASK,
+        "description": "Call this once the task is done, with a one-sentence summary of the result.",
+        "parameters": {
+            "type": "object",
+            "properties": {"summary": {"type": "string", "maxLength": 80}},
+            "required": ["summary"],
+        },
+    },
+}
+
+
+def system_prompt(info: ServerInfo) -> str:
+    extra = f" {info.instructions.strip()[:400]}" if info.instructions else ""
+    return (
+        f"You are an agent that uses the tools of the MCP server {info.name!r}.{extra} Call tools to do "
+        f"the user's task, read their results, then call {COMPLETE_TASK} with a short summary."
+    )
+
+
+class RolloutConfig(BaseModel):
+    length_penalty: float = Field(
+        0.02,
+        ge=0,
+        description="minus this x the mean fraction of max_tokens each turn used: concise turns win ties, "
+        "so a group whose rollouts all succeed (or all fail) still carries a signal",
+    )
+    max_turns: int = Field(3, ge=1, description="model turns per episode")
+    forced_turns: int = Field(
+        1, ge=0, description="first turns that must be a tool call (tool_choice=required)"
+    )
+    max_tokens: int = Field(96, ge=8, description="max_tokens per model turn")
+    temperature: float = Field(1.0, ge=0, le=2)
+    tool_timeout: float = Field(30.0, gt=0, description="seconds per tool call")
+    tool_result_chars: int = Field(1200, ge=50, description="longer tool results are cut for the model")
+    shaping: float = Field(0.1, ge=0, description="weight of the valid-tool-call fraction in the reward")
+    check_weight: float = Field(
+        1.0, ge=0, description="weight of end-state checks (scenarios that have them)"
+    )
+
+
+def independent_reward(metrics: dict[str, Any], cfg: RolloutConfig) -> float:
+    """The judge-free part of the reward: success (checks, else the proxy) and valid-call shaping."""
+    calls = metrics["tool_calls"] + metrics["invalid_calls"]
+    valid = (metrics["tool_calls"] - metrics["tool_errors"]) / calls if calls else 0.0
+    length = float(metrics.get("length_used", 0.0))
+    return cfg.check_weight * float(metrics["success"]) + cfg.shaping * valid - cfg.length_penalty * length
+
+
+async def rollout(
+    model: jm.TrainableModel,
+    client: AsyncOpenAI,
+    conn: Connection,
+    info: ServerInfo,
+    scenario: Scenario,
+    cfg: RolloutConfig,
+    *,
+    seed: int | None = None,
+) -> jm.Trajectory:
+    tools = [*info.tools, COMPLETE_TOOL]
+    names = set(info.tool_names())
+    for call in scenario.setup:  # the harness prepares the state; the agent never sees these calls
+        await conn.call(call.tool, call.arguments, cfg.tool_timeout)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": system_prompt(info)},
+        {"role": "user", "content": scenario.task},
+    ]
+    traj = jm.Trajectory(
+        messages_and_choices=list(messages),
+        tools=tools,
+        metadata={"scenario_id": scenario.id, "task": scenario.task, "difficulty": scenario.difficulty},
+    )
+    m: dict[str, Any] = {
+        "turns": 0,
+        "tool_calls": 0,  # well-formed calls of a server tool
+        "tool_errors": 0,  # of those, the server reported an error (or timed out)
+        "invalid_calls": 0,  # unknown tool or arguments that are not a JSON object
+        "completed": False,  # called complete_task
+        "target_tool_ok": False,  # a successful call of the tool the scenario is about
+        "truncated": 0,  # turns cut by max_tokens
+    }
+    ok_tools: set[str] = set()
+    used = 0.0  # sum over turns of the fraction of max_tokens sampled
+    for turn in range(cfg.max_turns):
+        kwargs: dict[str, Any] = {}
+        if turn < cfg.forced_turns:
+            kwargs["tool_choice"] = "required"
+        try:
+            completion = await client.chat.completions.create(
+                model=model.name,
+                messages=messages,  # type: ignore[arg-type]
+                tools=tools,  # type: ignore[arg-type]
+                max_tokens=cfg.max_tokens,
+                temperature=cfg.temperature,
+                seed=None if seed is None else seed + turn,
+                **kwargs,
+            )
+        except BadRequestError as e:
+            if "tool_choice" not in kwargs:
+                raise
+            # A tool schema the grammar compiler cannot take: let the model answer freely instead.
+            traj.log(f"forced tool call refused ({e.message[:200]}); turn {turn} is free")
+            completion = await client.chat.completions.create(
+                model=model.name,
+                messages=messages,  # type: ignore[arg-type]
+                tools=tools,  # type: ignore[arg-type]
+                max_tokens=cfg.max_tokens,
+                temperature=cfg.temperature,
+            )
+        choice = completion.choices[0]
+        m["turns"] += 1
+        m["truncated"] += int(choice.finish_reason == "length")
+        record = jm.record_of(choice)
+        used += len(record.token_ids) / cfg.max_tokens if record else 1.0
+        traj.messages_and_choices.append(choice)
+        msg = choice.message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"})
+        messages.append(msg)
+        calls = choice.message.tool_calls or []
+        if not calls:
+            break
+        done = False
+        for call in calls:
+            fn = call.function
+            try:
+                args = json.loads(fn.arguments or "{}")
+            except json.JSONDecodeError:
+                args = None
+            if fn.name == COMPLETE_TASK:
+                done = True
+                text = "Task marked complete."
+            elif fn.name not in names or not isinstance(args, dict):
+                m["invalid_calls"] += 1
+                text = (
+                    f"Error: unknown tool {fn.name!r}; the tools are {sorted(names)}"
+                    if fn.name not in names
+                    else "Error: the arguments must be a JSON object"
+                )
+            else:
+                out = await conn.call(fn.name, args, cfg.tool_timeout)
+                m["tool_calls"] += 1
+                m["tool_errors"] += int(out.is_error)
+                if not out.is_error:
+                    ok_tools.add(fn.name)
+                text = out.text[: cfg.tool_result_chars]
+                traj.log(
+                    f"{fn.name}({json.dumps(args)[:200]}) -> {'ERROR ' if out.is_error else ''}{text[:200]!r}"
+                )
+            tool_msg = {"role": "tool", "tool_call_id": call.id, "content": text}
+            messages.append(tool_msg)
+            traj.messages_and_choices.append(tool_msg)
+        if done:
+            m["completed"] = True
+            break
+    m["length_used"] = used / max(1, m["turns"])
+    m["target_tool_ok"] = bool(ok_tools & set(scenario.tools)) if scenario.tools else bool(ok_tools)
+    if scenario.checks:
+        passed = 0
+        for check in scenario.checks:
+            out = await conn.call(check.tool, check.arguments, cfg.tool_timeout)
+            passed += int(not out.is_error and check.passes(out.text))
+        m["checks_passed"] = passed / len(scenario.checks)
+        m["success"] = passed == len(scenario.checks)
+    else:
+        m["success"] = m["target_tool_ok"]
+    traj.metrics = m
+    traj.reward = independent_reward(m, cfg)
+    return traj

@@ -1,0 +1,313 @@
+"""MCP·RL against real servers on 127.0.0.1: mcp-server-time (stdio, PyPI), server-everything
+(Streamable HTTP, npm) and the example to-do server, with the real embedded model on this CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from journeyman_mcp.scenarios import Check, generate_scenarios, schema_scenarios, split
+from journeyman_mcp.server import ServerInfo, ServerSpec, SessionPool, bound_strings
+
+ROOT = Path(__file__).resolve().parents[3]
+BIN = Path(sys.executable).parent
+TIME_SERVER = [str(BIN / "mcp-server-time"), "--local-timezone", "UTC"]
+TODO_SERVER = [sys.executable, str(ROOT / "examples" / "mcp_todo_server.py")]
+# Small everything: a few steps must fit in a test on 2 shared cores.
+FAST = [
+    "--max-tokens",
+    "40",
+    "--max-turns",
+    "2",
+    "--steps",
+    "1",
+    "--groups-per-step",
+    "1",
+    "--group-size",
+    "3",
+]
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.setdefault("JOURNEYMAN_CACHE", str(tmp / "cache"))
+    return env
+
+
+def _mcp_rl(args: list[str], tmp: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "mcp-rl"), *args], capture_output=True, text=True, timeout=timeout, env=_env(tmp), cwd=tmp
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- connect ---------------------------------------------------------------------------------------
+
+
+def test_server_spec_parses_urls_and_commands() -> None:
+    assert ServerSpec.parse("http://127.0.0.1:8000/mcp").transport == "http"
+    assert ServerSpec.parse("http://127.0.0.1:8000/sse").transport == "sse"
+    spec = ServerSpec.parse("stdio:mcp-server-time --local-timezone UTC")
+    assert spec.transport == "stdio" and spec.command == ["mcp-server-time", "--local-timezone", "UTC"]
+    assert ServerSpec.parse(["python", "server.py", "--flag"]).command == ["python", "server.py", "--flag"]
+    with pytest.raises(ValueError, match="server"):
+        ServerSpec.parse("")
+
+
+def test_bound_strings_caps_free_strings_only() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string"},
+            "b": {"type": "string", "maxLength": 5},
+            "c": {"type": "string", "enum": ["x", "y"]},
+            "d": {"type": "array", "items": {"type": "string"}},
+        },
+    }
+    out = bound_strings(schema, 64)
+    assert out["properties"]["a"]["maxLength"] == 64
+    assert out["properties"]["b"]["maxLength"] == 5
+    assert "maxLength" not in out["properties"]["c"]
+    assert out["properties"]["d"]["items"]["maxLength"] == 64
+    assert "maxLength" not in schema["properties"]["a"]  # a copy
+
+
+async def test_stdio_pool_lists_tools_and_turns_failures_into_tool_results() -> None:
+    async with SessionPool(ServerSpec.parse(TIME_SERVER), size=1) as pool:
+        info = await pool.describe()
+        assert {"get_current_time", "convert_time"} <= set(info.tool_names())
+        fn = next(t for t in info.tools if t["function"]["name"] == "get_current_time")["function"]
+        assert fn["parameters"]["required"] == ["timezone"]
+        async with pool.lease() as conn:
+            ok = await conn.call("get_current_time", {"timezone": "Asia/Tokyo"}, timeout=10)
+            bad = await conn.call("get_current_time", {"timezone": "Nowhere/City"}, timeout=10)
+            unknown = await conn.call("no_such_tool", {}, timeout=10)
+    assert not ok.is_error and "Asia/Tokyo" in ok.text
+    assert bad.is_error and "Nowhere" in bad.text
+    assert unknown.is_error and "no_such_tool" in unknown.text
+
+
+async def test_a_dead_server_fails_the_rollout_and_the_pool_replaces_it(tmp_path: Path) -> None:
+    from journeyman_mcp.server import ServerUnavailableError
+
+    async with SessionPool(ServerSpec.parse(TODO_SERVER), size=1) as pool:
+        async with pool.lease() as conn:
+            pid_text = (await conn.call("add_task", {"title": "x"}, timeout=10)).text
+            assert "Added" in pid_text
+            # Kill the server process under the session: the next call must fail, not hang.
+            for p in _children(os.getpid(), "mcp_todo_server.py"):
+                os.kill(p, 9)
+            with pytest.raises(ServerUnavailableError):
+                for _ in range(50):
+                    await conn.call("list_tasks", {}, timeout=5)
+                    time.sleep(0.1)
+        async with pool.lease() as conn:  # a fresh process: its list is empty again
+            assert "empty" in (await conn.call("list_tasks", {}, timeout=10)).text
+        assert pool.replaced == 1
+
+
+def _children(pid: int, needle: str) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    return [
+        int(line.split()[0])
+        for line in out.splitlines()[1:]
+        if needle in line and line.split()[1] == str(pid)
+    ]
+
+
+# -- scenarios -------------------------------------------------------------------------------------
+
+
+async def test_schema_scenarios_are_valid_distinct_and_split() -> None:
+    async with SessionPool(ServerSpec.parse(TIME_SERVER), size=1) as pool:
+        info = await pool.describe()
+    items = schema_scenarios(info, 8, seed=1)
+    assert len(items) == 8 and len({s.task for s in items}) == 8
+    assert all(s.tools[0] in info.tool_names() and s.source == "schema" for s in items)
+    # Arguments are filled from the schema: the required timezone is a real IANA name.
+    assert any("Europe/" in s.task or "Asia/" in s.task or "America/" in s.task for s in items)
+    train, held = split(items, 3)
+    assert len(held) == 3 and not {s.id for s in train} & {s.id for s in held}
+    # A generator that cannot be reached costs nothing but a note: schema tasks fill the set.
+    got, report = await generate_scenarios(
+        info, 5, generator="http://127.0.0.1:9/v1", generator_model="nobody", seed=2
+    )
+    assert len(got) == 5 and report.from_schema == 5 and report.generator_error
+
+
+async def test_the_local_model_generates_scenarios_under_the_schema(served: tuple[object, object]) -> None:
+    model, _ = served
+    info = ServerInfo(
+        name="todo",
+        tools=[
+            {
+                "type": "function",
+                "function": {
+                    "name": "add_task",
+                    "description": "Add a task to the to-do list",
+                    "parameters": {"type": "object", "properties": {"title": {"type": "string"}}},
+                },
+            },
+        ],
+    )
+    got, report = await generate_scenarios(
+        info,
+        4,
+        generator=f"local:{model.name}",
+        batch_size=2,
+        max_tokens=120,
+        seed=3,  # type: ignore[attr-defined]
+    )
+    assert len(got) == 4 and report.generator_error is None
+    assert report.from_generator + report.from_schema == 4
+    assert all(s.tools == ["add_task"] for s in got)
+
+
+def test_check_matches_case_insensitively() -> None:
+    c = Check(tool="list_tasks", expect_contains=["Buy Milk (done)"], expect_absent=["rent"])
+    assert c.passes("- buy milk (done)\n- walk the dog (open)")
+    assert not c.passes("- buy milk (open)")
+    assert not c.passes("- buy milk (done)\n- pay rent (open)")
+
+
+# -- the CLI, end to end ---------------------------------------------------------------------------
+
+
+def test_cli_unreachable_server_and_no_tools_exit_cleanly(tmp_path: Path) -> None:
+    r = _mcp_rl(["train", "http://127.0.0.1:9/mcp", "--out", str(tmp_path)], tmp_path, timeout=120)
+    assert r.returncode == 1 and "cannot connect" in r.stderr and "Traceback" not in r.stderr
+    r = _mcp_rl(["train", "--out", str(tmp_path), "--", "no-such-mcp-server-binary"], tmp_path, timeout=60)
+    assert r.returncode == 1 and "not found" in r.stderr and "Traceback" not in r.stderr
+    empty = tmp_path / "empty_server.py"
+    empty.write_text("from mcp.server.mcpserver import MCPServer\nMCPServer('empty').run()\n")
+    r = _mcp_rl(["train", "--out", str(tmp_path), "--", sys.executable, str(empty)], tmp_path, timeout=120)
+    assert r.returncode == 1 and "no tools" in r.stderr and "Traceback" not in r.stderr
+    r = _mcp_rl(["--help"], tmp_path)
+    assert r.returncode == 0 and "train" in r.stdout and "scenarios" in r.stdout
+
+
+def _check_run(tmp: Path, r: subprocess.CompletedProcess[str], tool_names: set[str]) -> list[dict]:
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "held-out eval" in r.stdout and "success" in r.stdout
+    run = tmp / "mcp-rl" / "models" / "mcp-agent"
+    steps = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    assert any(s.get("split") == "val" for s in steps)
+    report = json.loads((run / "mcp_rl_report.json").read_text())
+    assert len(report["evals"]) == 2  # before and after
+    trained = [s for s in report["steps"] if not s.get("skipped")]
+    if trained:  # a step is skipped only when every rollout got the same reward
+        assert (run / "checkpoints" / "0001" / "adapter_model.safetensors").exists()
+    assert (run / "reward.png").exists()
+    groups = [
+        json.loads(line) for line in (run / "trajectories" / "train" / "0000.jsonl").read_text().splitlines()
+    ]
+    calls, results = 0, 0
+    for g in groups:
+        for t in g["trajectories"]:
+            for m in t["messages_and_choices"]:
+                msg = m.get("message", m)
+                for c in msg.get("tool_calls") or []:
+                    calls += c["function"]["name"] in tool_names
+                if msg.get("role") == "tool" and not msg["content"].startswith("Error: unknown tool"):
+                    results += 1
+            assert t["metrics"]["turns"] >= 1
+            assert any("journeyman" in m for m in t["messages_and_choices"])  # exact token records
+    assert calls > 0 and results > 0, "rollouts must contain real tool calls and real tool results"
+    return groups
+
+
+def test_train_end_to_end_on_mcp_server_time_stdio_with_ruler(tmp_path: Path) -> None:
+    r = _mcp_rl(
+        [
+            "train",
+            "--out",
+            str(tmp_path),
+            "--num-scenarios",
+            "4",
+            "--num-eval",
+            "1",
+            "--judge",
+            "local",
+            "--generator",
+            "none",
+            *FAST,
+            "--",
+            *TIME_SERVER,
+        ],
+        tmp_path,
+    )
+    groups = _check_run(tmp_path, r, {"get_current_time", "convert_time"})
+    ruler = groups[0]["metadata"]["ruler"]
+    assert ruler["judge"].startswith("local:mcp-agent-judge")
+    assert all("ruler" in t["metrics"] for t in groups[0]["trajectories"]) or ruler["skipped"]
+    scen = json.loads((tmp_path / "mcp-rl" / "models" / "mcp-agent" / "scenarios.json").read_text())
+    assert len(scen["train"]) == 3 and len(scen["eval"]) == 1
+
+
+@pytest.fixture
+def everything_url(tmp_path: Path):
+    npx = shutil.which("npx")
+    if npx is None:
+        pytest.skip("npx (Node.js) is not installed")
+    port = _free_port()
+    env = dict(
+        os.environ, PORT=str(port), NODE_OPTIONS=f"--require {Path(__file__).parent / 'bind_localhost.cjs'}"
+    )
+    proc = subprocess.Popen(
+        [npx, "-y", "@modelcontextprotocol/server-everything", "streamableHttp"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        if proc.poll() is not None:
+            pytest.fail(f"server-everything exited: {proc.stderr.read() if proc.stderr else ''}")
+        time.sleep(0.5)
+    try:
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(10)
+
+
+def test_train_end_to_end_on_server_everything_streamable_http(tmp_path: Path, everything_url: str) -> None:
+    r = _mcp_rl(
+        [
+            "train",
+            everything_url,
+            "--out",
+            str(tmp_path),
+            "--tools",
+            "echo,get-sum",
+            "--num-scenarios",
+            "4",
+            "--num-eval",
+            "1",
+            "--judge",
+            "none",
+            "--generator",
+            "none",
+            *FAST,
+        ],
+        tmp_path,
+    )
+    _check_run(tmp_path, r, {"echo", "get-sum"})
