@@ -14,6 +14,7 @@ from .errors import (
 )
 from .gather import gather_trajectory_groups
 from .model import TrainableModel
+from .ruler import RulerJudgeError, ruler_score_group
 from .train import TrainConfig, TrainResult
 from .types import History, RolloutException, TokenRecord, Trajectory, TrajectoryGroup, record_of
 from .weights import DEFAULT_BASE_MODEL
@@ -30,6 +31,7 @@ __all__ = [
     "LoraConfig",
     "NoTrainableTokensError",
     "RolloutException",
+    "RulerJudgeError",
     "TokenRecord",
     "TooManyExceptionsError",
     "TrainConfig",
@@ -40,4 +42,5 @@ __all__ = [
     "UnknownModelError",
     "gather_trajectory_groups",
     "record_of",
+    "ruler_score_group",
 ]
