@@ -112,14 +112,15 @@ async def test_a_dead_server_fails_the_rollout_and_the_pool_replaces_it(tmp_path
             with pytest.raises(ServerUnavailableError):
                 for _ in range(50):
                     await conn.call("list_tasks", {}, timeout=5)
-                    time.sleep(0.1)
+                    await asyncio.sleep(0.1)
         async with pool.lease() as conn:  # a fresh process: its list is empty again
             assert "empty" in (await conn.call("list_tasks", {}, timeout=10)).text
         assert pool.replaced == 1
 
 
 def _children(pid: int, needle: str) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    # -ww: never cut args to the terminal width (pytest sets COLUMNS; long checkout paths got cut)
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
     return [
         int(line.split()[0])
         for line in out.splitlines()[1:]
