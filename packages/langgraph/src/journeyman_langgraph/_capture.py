@@ -1,0 +1,201 @@
+"""Per-request capture inside one episode: which LangChain run sent which request to the endpoint.
+
+The join, per request:
+- LangChain's callback view (`on_chat_model_start`: run id, node, tags, messages) is recorded by
+  `EpisodeHandler`, which LangChain adds to every run started inside an episode (a configure hook).
+  It runs inline, in the caller's context, so the run it starts is visible to the HTTP hook below.
+- The httpx request hook of the chat model's client gives each trainable request its own capture id
+  (`<episode id>.<n>`) in the `x-journeyman-capture` header; the endpoint files the exact
+  completion (token records included) under that id.
+At the end of the episode each request id is popped from the endpoint and joined to its run.
+
+Everything lives in ContextVars holding per-episode objects: LangGraph copies the context into the
+threads and tasks that run nodes, so concurrent episodes never see each other's calls.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+import httpx
+from journeyman.capture import CAPTURE_HEADER, CapturedCall
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.runnables.config import var_child_runnable_config
+from langchain_core.tracers.context import register_configure_hook
+
+if TYPE_CHECKING:
+    from journeyman import TrainableModel, Trajectory
+
+TRAINABLE_TAG = "journeyman:trainable"
+"""LangChain tag that marks a chat model or runnable as the trained policy (set by `trainable`)."""
+
+_episode: ContextVar[Episode | None] = ContextVar("journeyman_langgraph_episode", default=None)
+_trainable_scope: ContextVar[bool] = ContextVar("journeyman_langgraph_trainable", default=False)
+_llm_run: ContextVar[LLMRun | None] = ContextVar("journeyman_langgraph_llm_run", default=None)
+_handler: ContextVar[EpisodeHandler | None] = ContextVar("journeyman_langgraph_handler", default=None)
+register_configure_hook(_handler, inheritable=True)
+
+
+@dataclass
+class LLMRun:
+    """LangChain's view of one chat-model call."""
+
+    run_id: UUID
+    episode: Episode
+    node: str | None
+    trainable: bool
+    model_name: str | None
+    ended: bool = False
+    requests: int = 0
+
+
+@dataclass
+class Request:
+    """One HTTP request that the endpoint will file under `capture_id`."""
+
+    capture_id: str
+    seq: int
+    run: LLMRun | None
+    node: str | None
+
+
+@dataclass
+class Episode:
+    """The calls of one run of a `@trajectory` function."""
+
+    model: TrainableModel
+    base_url: str
+    trajectory: Trajectory
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    requests: list[Request] = field(default_factory=list)
+    runs: dict[UUID, LLMRun] = field(default_factory=dict)
+    untrained_calls: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def new_request(self, run: LLMRun | None, node: str | None) -> str:
+        with self.lock:
+            seq = len(self.requests)
+            req = Request(f"{self.id}.{seq}", seq, run, node)
+            self.requests.append(req)
+            if run is not None:
+                run.requests += 1
+            return req.capture_id
+
+    def pop_calls(self) -> list[tuple[Request, CapturedCall]]:
+        """Take this episode's calls off the endpoint, in request order (one per request)."""
+        out: list[tuple[Request, CapturedCall]] = []
+        for req in self.requests:
+            calls = _pop(self.model, self.base_url, req.capture_id)
+            out.extend((req, c) for c in calls)
+        return out
+
+
+def _pop(model: TrainableModel, base_url: str, capture_id: str) -> list[CapturedCall]:
+    pop = getattr(model.backend, "pop_captures", None)
+    if pop is not None:  # in-process backend: no HTTP round trip
+        return list(pop(model, capture_id))
+    r = httpx.get(f"{base_url}/journeyman/captures/{capture_id}", timeout=60)
+    r.raise_for_status()
+    return [CapturedCall.model_validate(c) for c in r.json()["calls"]]
+
+
+def current_episode() -> Episode | None:
+    """The episode of the `@trajectory` function running in this context, if any."""
+    return _episode.get()
+
+
+def current_node() -> str | None:
+    """The LangGraph node running in this context, from LangChain's runnable config."""
+    config = var_child_runnable_config.get() or {}
+    node = (config.get("metadata") or {}).get("langgraph_node")
+    return node if isinstance(node, str) else None
+
+
+class EpisodeHandler(BaseCallbackHandler):
+    """Records LangChain's view of each chat-model call of one episode (added to every run in it)."""
+
+    run_inline = True  # same context as the call: the HTTP hook then sees `_llm_run`
+    raise_error = True
+    ignore_chain = True
+    ignore_agent = True
+    ignore_retriever = True
+    ignore_retry = True
+    ignore_custom_event = True
+
+    def __init__(self, episode: Episode) -> None:
+        self.episode = episode
+
+    def on_chat_model_start(
+        self,
+        serialized: dict[str, Any],
+        messages: list[list[Any]],
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        tags: list[str] | None = None,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        metadata = metadata or {}
+        params = kwargs.get("invocation_params") or {}
+        node = metadata.get("langgraph_node")
+        run = LLMRun(
+            run_id=run_id,
+            episode=self.episode,
+            node=node if isinstance(node, str) else None,
+            trainable=TRAINABLE_TAG in (tags or []) or _trainable_scope.get(),
+            model_name=params.get("model") or params.get("model_name"),
+        )
+        with self.episode.lock:
+            self.episode.runs[run_id] = run
+        _llm_run.set(run)
+
+    def _end(self, run_id: UUID) -> None:
+        run = self.episode.runs.get(run_id)
+        if run is not None:
+            run.ended = True  # a later plain request in this context must not inherit this run
+
+    def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._end(run_id)
+
+    def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._end(run_id)
+
+
+def stamp(request: httpx.Request) -> None:
+    """Give a trainable request of the current episode its own capture id."""
+    run = _llm_run.get()
+    if run is not None and run.ended:
+        run = None
+    episode = run.episode if run is not None else _episode.get()
+    if episode is None or not str(request.url).startswith(episode.base_url):
+        return
+    trainable = run.trainable if run is not None else _trainable_scope.get()
+    if not trainable:
+        with episode.lock:
+            episode.untrained_calls += 1
+        return
+    node = run.node if run is not None else current_node()
+    request.headers[CAPTURE_HEADER] = episode.new_request(run, node)
+
+
+def sync_hook(request: httpx.Request) -> None:
+    stamp(request)
+
+
+async def async_hook(request: httpx.Request) -> None:
+    stamp(request)
+
+
+def install_hooks(client: Any) -> None:
+    """Add the capture hook to an httpx client (sync or async) once."""
+    hook = async_hook if isinstance(client, httpx.AsyncClient) else sync_hook
+    hooks = client.event_hooks
+    if hook not in hooks["request"]:
+        hooks["request"] = [*hooks["request"], hook]
+        client.event_hooks = hooks

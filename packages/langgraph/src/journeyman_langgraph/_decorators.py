@@ -1,0 +1,243 @@
+"""The two decorators: `@trajectory(model)` marks an episode, `trainable` marks the trained policy."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, ParamSpec, TypeVar, overload
+
+from journeyman import InvalidFieldError, TrainableModel, Trajectory
+from langchain_core.language_models import BaseChatModel
+from langchain_core.runnables import Runnable, RunnableBinding
+
+from . import _capture as cap
+from ._build import histories
+
+log = logging.getLogger("journeyman.langgraph")
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+Reward = float | int | tuple[float | int, Mapping[str, float | int | bool]] | Trajectory
+
+
+def _reward(value: Any, where: str) -> tuple[float, dict[str, float | int | bool]]:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping):
+        reward, metrics = value
+    else:
+        reward, metrics = value, {}
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise InvalidFieldError(
+            f"{where}() return value",
+            value,
+            "an episode returns its reward: a float, (float, {metric: value}), or a Trajectory",
+        )
+    return float(reward), dict(metrics)
+
+
+class _EpisodeScope:
+    """Sets the episode's ContextVars for the duration of one call, then builds the Trajectory."""
+
+    def __init__(self, model: TrainableModel, name: str) -> None:
+        self.name = name
+        self.episode = cap.Episode(model=model, base_url=model.inference_base_url, trajectory=Trajectory())
+        self.episode.trajectory.metadata["episode"] = name
+
+    def __enter__(self) -> cap.Episode:
+        self._tokens = (
+            cap._episode.set(self.episode),
+            cap._handler.set(cap.EpisodeHandler(self.episode)),
+            cap._llm_run.set(None),
+            cap._trainable_scope.set(False),
+        )
+        return self.episode
+
+    def __exit__(self, *exc: object) -> None:
+        ep_t, h_t, run_t, scope_t = self._tokens
+        cap._trainable_scope.reset(scope_t)
+        cap._llm_run.reset(run_t)
+        cap._handler.reset(h_t)
+        cap._episode.reset(ep_t)
+
+    def finish(self, result: Any) -> Trajectory:
+        ep = self.episode
+        calls = _latest_per_run(ep.pop_calls())
+        t = ep.trajectory
+        if isinstance(result, Trajectory):  # ART style: the function built the Trajectory itself
+            if result.messages_and_choices:
+                raise InvalidFieldError(
+                    f"{self.name}() return value",
+                    f"Trajectory with {len(result.messages_and_choices)} messages",
+                    "return a Trajectory without messages: the captured calls fill them",
+                )
+            result.metadata = {**t.metadata, **result.metadata}
+            result.metrics = {**t.metrics, **result.metrics}
+            result.logs = [*t.logs, *result.logs]
+            result.additional_histories = [*t.additional_histories, *result.additional_histories]
+            t = result
+        else:
+            t.reward, metrics = _reward(result, self.name)
+            t.metrics = {**t.metrics, **metrics}
+        hs = histories([c for _, c in calls])
+        if hs:
+            t.messages_and_choices = hs[0].messages_and_choices
+            t.tools = hs[0].tools
+            t.additional_histories = [*t.additional_histories, *hs[1:]]
+        else:
+            t.log("no trainable LLM call was captured: mark the policy with `trainable` (node or chat model)")
+        for run in ep.runs.values():
+            if run.trainable and run.requests == 0 and run.model_name == ep.model.name:
+                t.log(
+                    f"a trainable call (node {run.node!r}) reached no Journeyman hook: build its chat model "
+                    "with journeyman_langgraph.chat_model(model) or pass it through trainable()"
+                )
+        t.metadata["langgraph_nodes"] = [req.node for req, _ in calls]
+        t.metadata["untrained_calls"] = ep.untrained_calls
+        for line in t.logs:
+            log.warning("%s: %s", self.name, line)
+        return t
+
+    def discard(self) -> None:
+        """The episode raised: free what the endpoint filed for it."""
+        self.episode.pop_calls()
+
+
+def _latest_per_run(calls: list[tuple[cap.Request, Any]]) -> list[tuple[cap.Request, Any]]:
+    """A client retry can file one LangChain call twice: keep the last filed request of each run."""
+    last: dict[Any, int] = {}
+    for i, (req, _) in enumerate(calls):
+        if req.run is not None:
+            last[req.run.run_id] = i
+    return [(req, c) for i, (req, c) in enumerate(calls) if req.run is None or last[req.run.run_id] == i]
+
+
+def trajectory(model: TrainableModel) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
+    """Mark the unit of an episode: a function that runs the graph for one scenario and returns its reward.
+
+    Calling the decorated function returns a `journeyman.Trajectory` instead of the reward (awaitable
+    if the function is async): every call the `trainable` policy made during it, in order, with the
+    endpoint's exact token records, the tools offered, and the reward. Calls whose prompt does not
+    extend the first conversation (a fresh prompt, a side task) become `additional_histories`.
+    The function returns a float, `(float, {"metric": value})`, or (ART's style) a `Trajectory`
+    without messages, which the captured calls then fill. Inside it, `current_trajectory()` gives
+    the Trajectory being built (for `log`, `metadata`, `metrics`).
+
+        @trajectory(model)
+        async def rollout(scenario: Scenario) -> float:
+            out = await graph.ainvoke({"messages": [("user", scenario.question)]})
+            return score(out)
+
+        traj = await rollout(scenario)
+    """
+    if not isinstance(model, TrainableModel):
+        raise InvalidFieldError(
+            "model", model, "trajectory() takes the journeyman.TrainableModel being trained"
+        )
+
+    def decorate(fn: Callable[P, Any]) -> Callable[P, Any]:
+        name = getattr(fn, "__qualname__", repr(fn))
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def arun(*args: P.args, **kwargs: P.kwargs) -> Trajectory:
+                scope = _EpisodeScope(model, name)
+                try:
+                    with scope:
+                        result = await fn(*args, **kwargs)
+                except BaseException:
+                    scope.discard()
+                    raise
+                return scope.finish(result)
+
+            return arun
+
+        @functools.wraps(fn)
+        def run(*args: P.args, **kwargs: P.kwargs) -> Trajectory:
+            scope = _EpisodeScope(model, name)
+            try:
+                with scope:
+                    result = fn(*args, **kwargs)
+            except BaseException:
+                scope.discard()
+                raise
+            return scope.finish(result)
+
+        return run
+
+    return decorate
+
+
+def current_trajectory() -> Trajectory:
+    """The Trajectory the current `@trajectory` episode is building (to add logs, metadata, metrics)."""
+    ep = cap._episode.get()
+    if ep is None:
+        raise InvalidFieldError("current_trajectory()", None, "called outside a @trajectory(model) function")
+    return ep.trajectory
+
+
+M = TypeVar("M", bound=BaseChatModel)
+R = TypeVar("R", bound=Runnable[Any, Any])
+
+
+@overload
+def trainable(target: M) -> M: ...
+@overload
+def trainable(target: R) -> R: ...
+@overload
+def trainable(target: Callable[P, T]) -> Callable[P, T]: ...
+def trainable(target: Any) -> Any:
+    """Mark the trained policy. Calls from anything unmarked (a judge, a summariser) are not trained.
+
+    - a chat model (e.g. from `chat_model(model)`): every call it makes, in any node, is trained;
+      it is tagged in place and returned (`create_agent(trainable(llm), tools)`).
+    - a node function (sync or async), as a decorator: every call made while it runs is trained.
+    - any other runnable (a `bind_tools` binding, a subgraph used as a node): calls inside it are
+      trained (returns a tagged copy).
+    """
+    if isinstance(target, BaseChatModel):
+        _hook_clients(target)
+        if cap.TRAINABLE_TAG not in (target.tags or []):
+            target.tags = [*(target.tags or []), cap.TRAINABLE_TAG]
+        return target
+    if isinstance(target, Runnable):
+        bound = target
+        while isinstance(bound, RunnableBinding):
+            bound = bound.bound
+        if isinstance(bound, BaseChatModel):
+            _hook_clients(bound)
+        return target.with_config(tags=[cap.TRAINABLE_TAG])
+    if not callable(target):
+        raise InvalidFieldError(
+            "trainable(target)", target, "mark a chat model, a runnable, or a node function"
+        )
+    if inspect.iscoroutinefunction(target):
+
+        @functools.wraps(target)
+        async def anode(*args: Any, **kwargs: Any) -> Any:
+            token = cap._trainable_scope.set(True)
+            try:
+                return await target(*args, **kwargs)
+            finally:
+                cap._trainable_scope.reset(token)
+
+        return anode
+
+    @functools.wraps(target)
+    def node(*args: Any, **kwargs: Any) -> Any:
+        token = cap._trainable_scope.set(True)
+        try:
+            return target(*args, **kwargs)
+        finally:
+            cap._trainable_scope.reset(token)
+
+    return node
+
+
+def _hook_clients(llm: BaseChatModel) -> None:
+    """A ChatOpenAI built by the user (not by `chat_model`) gets the capture hook on its HTTP clients."""
+    for attr in ("root_client", "root_async_client"):
+        client = getattr(getattr(llm, attr, None), "_client", None)
+        if client is not None:
+            cap.install_hooks(client)

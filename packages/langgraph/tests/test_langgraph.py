@@ -1,0 +1,298 @@
+"""The decorators on real LangGraph graphs, against the real model served on 127.0.0.1.
+
+The 135M model almost never calls a tool unprompted, so the graphs force the first call of a turn
+(`tool_choice="required"`, grammar-constrained by the endpoint) and cap the answer's length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Annotated, Any, Literal, TypedDict
+
+import journeyman as jm
+import pytest
+from journeyman.chat_format import ChatFormat
+from journeyman.tokenize import trajectory_rows
+from journeyman_langgraph import chat_model, current_trajectory, init_chat_model, trainable, trajectory
+from langchain.agents import create_agent
+from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
+from langchain_core.messages import AnyMessage, SystemMessage, ToolMessage
+from langchain_core.tools import tool
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
+from langgraph.prebuilt import ToolNode, tools_condition
+from openai.types.chat.chat_completion import Choice
+from pydantic import BaseModel
+
+pytestmark = pytest.mark.integration
+
+City = Literal["Paris", "Rome", "Oslo", "Lima"]
+
+
+@tool
+def get_weather(city: City) -> str:
+    """The current weather in a city."""
+    return f"WEATHER {city}: sunny, 21 C"
+
+
+@tool
+def get_time(city: City) -> str:
+    """The local time in a city."""
+    return f"TIME {city}: 09:30"
+
+
+TOOLS = [get_weather, get_time]
+TOOL_MAX_TOKENS = 40  # a forced call of these tools is ~25 tokens
+ANSWER_MAX_TOKENS = 6
+
+
+class ToolThenAnswer(AgentMiddleware):
+    """Force a tool call on the first turn, then a short answer (sync and async graphs)."""
+
+    def _adjust(self, request: ModelRequest) -> ModelRequest:
+        if any(isinstance(m, ToolMessage) for m in request.messages):
+            return request.override(model_settings={"max_tokens": ANSWER_MAX_TOKENS})
+        return request.override(tool_choice="required")
+
+    def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]) -> Any:
+        return handler(self._adjust(request))
+
+    async def awrap_model_call(
+        self, request: ModelRequest, handler: Callable[[ModelRequest], Awaitable[ModelResponse]]
+    ) -> Any:
+        return await handler(self._adjust(request))
+
+
+@pytest.fixture
+def engine_log(served: Any) -> Iterator[list[tuple[list[int], list[int]]]]:
+    """(prompt ids, sampled ids) of every sample the real engine generates during the test."""
+    model, backend = served
+    engine = backend.service(model).engine
+    generate = engine.generate
+    log: list[tuple[list[int], list[int]]] = []
+
+    async def recording(prompt_ids: list[int], params: Any) -> Any:
+        samples = await generate(prompt_ids, params)
+        log.extend((list(prompt_ids), list(s.token_ids)) for s in samples)
+        return samples
+
+    engine.generate = recording
+    yield log
+    del engine.generate
+
+
+@pytest.fixture
+def chat_format(served: Any) -> ChatFormat:
+    model, backend = served
+    return backend.service(model).chat_format
+
+
+def _records(t: jm.Trajectory) -> list[jm.TokenRecord]:
+    return [*t.records(), *(r for h in t.additional_histories for r in h.records())]
+
+
+def _assert_exact(t: jm.Trajectory, log: list[tuple[list[int], list[int]]]) -> None:
+    for rec in _records(t):
+        assert (rec.prompt_token_ids, rec.token_ids) in log
+
+
+def _assert_tool_results_masked(t: jm.Trajectory, chat_format: ChatFormat) -> None:
+    """The main history is one row: trained tokens are exactly the sampled ids, tool results are prompt."""
+    rows = trajectory_rows(t, chat_format, advantage=1.0)
+    assert len(rows) == 1 + len(t.additional_histories)
+    row = rows[0]
+    trained = [i for i, m in zip(row.input_ids, row.trained, strict=True) if m]
+    assert trained == [i for rec in t.records() for i in rec.token_ids]
+    masked = chat_format.decode([i for i, m in zip(row.input_ids, row.trained, strict=True) if not m])
+    tool_msgs = [m for m in t.messages_and_choices if isinstance(m, dict) and m["role"] == "tool"]
+    assert tool_msgs and all(m["content"] in masked for m in tool_msgs)
+    assert "WEATHER" not in chat_format.decode(trained) and "TIME " not in chat_format.decode(trained)
+
+
+def _roles(t: jm.Trajectory) -> list[str]:
+    return ["choice" if isinstance(m, Choice) else m["role"] for m in t.messages_and_choices]
+
+
+async def test_create_agent_with_two_tools(served: Any, engine_log: list, chat_format: ChatFormat) -> None:
+    model, _ = served
+    llm = trainable(chat_model(model, max_tokens=TOOL_MAX_TOKENS))
+    judge = chat_model(model, max_tokens=4)  # same endpoint, unmarked: never trained
+    agent = create_agent(
+        llm, tools=TOOLS, system_prompt="Answer with the tools.", middleware=[ToolThenAnswer()]
+    )
+
+    class Pick(BaseModel):
+        city: City
+
+    @trajectory(model)
+    async def rollout(question: str) -> tuple[float, dict[str, float | bool]]:
+        out = await agent.ainvoke({"messages": [("user", question)]}, {"recursion_limit": 6})
+        # the policy on a fresh prompt (structured output): a side conversation of its own
+        pick = await llm.with_structured_output(Pick).ainvoke(f"Which city is named here? {question}")
+        verdict = await judge.ainvoke(f"Is this a good answer? {out['messages'][-1].content}")
+        current_trajectory().metadata["verdict"] = verdict.content
+        n_tools = sum(isinstance(m, ToolMessage) for m in out["messages"])
+        return 0.5, {"tool_messages": n_tools, "picked_rome": pick.city == "Rome"}
+
+    t = await rollout("What is the weather in Rome?")
+    assert isinstance(t, jm.Trajectory)
+    assert _roles(t) == ["system", "user", "choice", "tool", "choice"]
+    first, second = t.messages_and_choices[2], t.messages_and_choices[4]
+    assert first.message.tool_calls and first.message.tool_calls[0].function.name in {
+        "get_weather",
+        "get_time",
+    }
+    assert jm.record_of(second).spliced_turns == 1  # the tool call went back as its sampled ids
+    assert {x["function"]["name"] for x in t.tools} == {"get_weather", "get_time"}
+    assert t.reward == 0.5 and t.metrics["tool_messages"] == 1 and "picked_rome" in t.metrics
+    assert t.metadata["langgraph_nodes"] == ["model", "model", None]
+    assert t.metadata["untrained_calls"] == 1 and "verdict" in t.metadata
+    # the structured call has its own prefix: an additional (trained) history, never merged
+    (side,) = t.additional_histories
+    assert [m["role"] for m in side.messages()] == ["user", "assistant"]
+    assert Pick.model_validate_json(side.messages()[1]["content"])
+    # exactly the three policy calls, each with the ids the engine sampled; the judge's is left out
+    assert len(engine_log) == 4 and len(_records(t)) == 3
+    _assert_exact(t, engine_log)
+    _assert_tool_results_masked(t, chat_format)
+
+
+class PlanState(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+    plan: str
+
+
+def planner_executor(model: jm.TrainableModel) -> Any:
+    """Two LLM nodes sharing one unmarked chat model; only the executor is marked trainable."""
+    llm = chat_model(model, max_tokens=TOOL_MAX_TOKENS)
+
+    def planner(state: PlanState) -> dict[str, Any]:
+        out = llm.invoke([SystemMessage("Write a one-line plan."), *state["messages"]], max_tokens=8)
+        return {"plan": out.content}
+
+    @trainable
+    def executor(state: PlanState) -> dict[str, Any]:
+        messages = [SystemMessage(f"Plan: {state['plan']}"), *state["messages"]]
+        if any(isinstance(m, ToolMessage) for m in state["messages"]):
+            return {"messages": [llm.bind_tools(TOOLS).invoke(messages, max_tokens=ANSWER_MAX_TOKENS)]}
+        return {"messages": [llm.bind_tools(TOOLS, tool_choice="required").invoke(messages)]}
+
+    g = StateGraph(PlanState)
+    g.add_node("planner", planner)
+    g.add_node("executor", executor)
+    g.add_node("tools", ToolNode(TOOLS))
+    g.add_edge(START, "planner")
+    g.add_edge("planner", "executor")
+    g.add_conditional_edges("executor", tools_condition, {"tools": "tools", END: END})
+    g.add_edge("tools", "executor")
+    return g.compile()
+
+
+async def test_planner_executor_only_marked_node_is_trained(
+    served: Any, engine_log: list, chat_format: ChatFormat
+) -> None:
+    model, _ = served
+    graph = planner_executor(model)
+
+    @trajectory(model)
+    def rollout(question: str) -> float:  # sync: graph.invoke, nodes run in LangGraph's threads
+        out = graph.invoke({"messages": [("user", question)], "plan": ""}, {"recursion_limit": 8})
+        return float("Oslo" in out["messages"][-1].content)
+
+    t = await asyncio.to_thread(rollout, "What time is it in Oslo?")
+    assert _roles(t) == ["system", "user", "choice", "tool", "choice"]
+    assert t.messages_and_choices[0]["content"].startswith("Plan: ")
+    assert t.metadata["langgraph_nodes"] == ["executor", "executor"]
+    assert t.metadata["untrained_calls"] == 1 and not t.additional_histories
+    # the engine sampled three times; the planner's sample is not in the trajectory
+    assert len(engine_log) == 3 and len(_records(t)) == 2
+    planner_ids = engine_log[0][1]
+    assert all(rec.token_ids != planner_ids for rec in t.records())
+    _assert_exact(t, engine_log)
+    _assert_tool_results_masked(t, chat_format)
+
+
+class WeatherState(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+
+
+def weather_graph(llm: Any) -> Any:
+    """One policy call (a forced call of one tool, short prompt), then the tool: cheap enough for 16."""
+
+    def agent(state: WeatherState) -> dict[str, Any]:
+        return {
+            "messages": [llm.bind_tools([get_weather], tool_choice="get_weather").invoke(state["messages"])]
+        }
+
+    g = StateGraph(WeatherState)
+    g.add_node("agent", agent)
+    g.add_node("tools", ToolNode([get_weather]))
+    g.add_edge(START, "agent")
+    g.add_edge("agent", "tools")
+    g.add_edge("tools", END)
+    return g.compile()
+
+
+async def test_sixteen_concurrent_episodes_keep_their_own_calls(
+    served: Any, engine_log: list, chat_format: ChatFormat
+) -> None:
+    model, _ = served
+    graph = weather_graph(trainable(chat_model(model, max_tokens=TOOL_MAX_TOKENS)))
+    cities = ["Paris", "Rome", "Oslo", "Lima"]
+
+    def question(i: int) -> str:
+        return f"Case {i}: the weather in {cities[i % 4]}?"
+
+    @trajectory(model)
+    async def rollout(i: int) -> float:
+        inputs = {"messages": [("user", question(i))]}
+        if i % 2:  # streamed: token chunks through LangGraph's messages mode
+            async for _ in graph.astream(inputs, stream_mode="messages"):
+                pass
+        else:
+            await graph.ainvoke(inputs)
+        return float(i)
+
+    @trajectory(model)
+    def art_style(i: int) -> jm.Trajectory:  # ART's pattern, sync: the policy built inside the rollout
+        for _ in weather_graph(init_chat_model(max_tokens=TOOL_MAX_TOKENS)).stream(
+            {"messages": [("user", question(i))]}
+        ):
+            pass
+        return jm.Trajectory(reward=float(i), metadata={"i": i})
+
+    runs = [rollout(i) for i in range(12)] + [asyncio.to_thread(art_style, i) for i in range(12, 16)]
+    trajectories = await asyncio.gather(*runs)
+    assert len(engine_log) == 16
+    for i, t in enumerate(trajectories):
+        assert t.reward == float(i) and _roles(t) == ["user", "choice"]
+        assert t.messages_and_choices[0]["content"] == question(i)
+        (rec,) = t.records()  # the episode's own call: its question, the ids the engine sampled for it
+        prompt = chat_format.decode(rec.prompt_token_ids)
+        assert f"Case {i}:" in prompt and prompt.count("Case ") == 1
+        _assert_exact(t, engine_log)
+        assert t.metadata["langgraph_nodes"] == ["agent"]
+    assert trajectories[12].metadata["i"] == 12
+
+
+async def test_return_value_and_scope_errors(served: Any) -> None:
+    model, _ = served
+
+    @trajectory(model)
+    async def no_reward() -> str:
+        return "done"
+
+    with pytest.raises(jm.InvalidFieldError, match="return value"):
+        await no_reward()
+    with pytest.raises(jm.InvalidFieldError, match="outside a @trajectory"):
+        current_trajectory()
+    with pytest.raises(jm.InvalidFieldError, match="model"):
+        init_chat_model()
+
+    @trajectory(model)
+    async def nothing_marked() -> float:
+        return 1.0
+
+    t = await nothing_marked()
+    assert t.reward == 1.0 and not t.messages_and_choices and "no trainable LLM call" in t.logs[0]
