@@ -290,6 +290,14 @@ class VLLMServer:
                 failure.append(e)
                 started.set()
                 return
+            if sys.platform == "linux":
+                # vLLM ignores SIGTERM while it starts up, and its engine-core process outlives a
+                # killed API server; this watchdog SIGKILLs the whole group when we die.
+                subprocess.Popen(
+                    [sys.executable, "-c", _WATCHDOG, str(self._proc.pid)],
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_die_with_parent,
+                )
             started.set()
             self._proc.wait()
 
@@ -363,6 +371,26 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
 
 
 _PR_SET_PDEATHSIG = 1
+
+# Gets SIGTERM when the process that started vLLM dies (PR_SET_PDEATHSIG); kills vLLM's process
+# group then. Exits by itself once the group is gone.
+_WATCHDOG = """
+import os, signal, sys, time
+group = int(sys.argv[1])
+def kill(*_):
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+    os._exit(0)
+signal.signal(signal.SIGTERM, kill)
+while True:
+    try:
+        os.killpg(group, 0)
+    except OSError:
+        os._exit(0)
+    time.sleep(1)
+"""
 
 
 def _die_with_parent() -> None:
