@@ -15,20 +15,8 @@ from typing import Any
 
 from journeyman import History, TokenRecord
 from journeyman.capture import CapturedCall
-from journeyman.chat_format import assistant_key
+from journeyman.chat_format import assistant_key, openai_message
 from openai.types.chat.chat_completion import Choice
-
-
-def _openai_message(m: dict[str, Any]) -> dict[str, Any]:
-    """The endpoint stores normalised messages (tool arguments as objects); give them back in OpenAI's shape."""
-    if not m.get("tool_calls"):
-        return dict(m)
-    calls = []
-    for c in m["tool_calls"]:
-        fn = c["function"]
-        args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"])
-        calls.append({**c, "function": {"name": fn["name"], "arguments": args}})
-    return {**m, "tool_calls": calls}
 
 
 def _key(m: dict[str, Any]) -> str:
@@ -69,7 +57,7 @@ def histories(calls: list[CapturedCall]) -> list[History]:
             chain = _Chain(tools=call.tools)
             chains.append(chain)
         new = call.request_messages[len(chain.keys) :]
-        chain.items += [_openai_message(m) for m in new]
+        chain.items += [openai_message(m) for m in new]
         chain.items.append(choice)
         chain.keys += [_key(m) for m in new]
         chain.keys.append(_key(raw["message"]))
