@@ -9,7 +9,6 @@ import httpx
 import journeyman as jm
 import openai
 import pytest
-import torch
 from journeyman.chat_format import parse_completion
 
 pytestmark = pytest.mark.integration
@@ -47,18 +46,6 @@ FEW_SHOT = [
     {"role": "assistant", "content": "It is 18C and cloudy in Rome."},
     {"role": "user", "content": "What's the weather in Paris?"},
 ]
-
-
-def teacher_forced_logprobs(
-    backend: jm.LocalBackend, model: jm.TrainableModel, record: jm.TokenRecord
-) -> list[float]:
-    policy = backend.service(model).policy
-    ids = torch.tensor([record.prompt_token_ids + record.token_ids])
-    with torch.inference_mode(), policy.lock:
-        logits = policy.model(input_ids=ids).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    n = len(record.prompt_token_ids)
-    return [float(logp[n - 1 + i, t]) for i, t in enumerate(record.token_ids)]
 
 
 async def test_three_turn_tool_trajectory_is_token_exact(served) -> None:
@@ -101,7 +88,7 @@ async def test_three_turn_tool_trajectory_is_token_exact(served) -> None:
     assert rec2.prompt_token_ids[start : start + len(rec1.token_ids)] == rec1.token_ids
     # logprobs recompute, teacher-forced through the same weights, within 1e-3 (fp32)
     for rec in (rec1, rec2):
-        again = teacher_forced_logprobs(backend, model, rec)
+        again = backend.service(model).policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids)
         assert max(abs(a - b) for a, b in zip(again, rec.logprobs, strict=True)) < 1e-3
 
 

@@ -22,7 +22,6 @@ from typing import Any
 import journeyman as jm
 import jsonschema
 import pytest
-import torch
 from journeyman import tasks
 from journeyman.chat_format import parse_completion
 from journeyman.demo import run_demo
@@ -209,16 +208,6 @@ async def test_grpo_learns_with_the_vllm_engine(vllm_python: str, tmp_path: Path
     assert len(steps) == 10 and max(gaps) < 1e-3, gaps
 
 
-def teacher_forced(backend: jm.LocalBackend, model: jm.TrainableModel, record: jm.TokenRecord) -> list[float]:
-    """The trainer's logprobs of the sampled tokens: the in-process policy (base + current adapter)."""
-    policy = backend.service(model).policy
-    ids = torch.tensor([record.prompt_token_ids + record.token_ids], device=policy.device)
-    with torch.inference_mode(), policy.lock:
-        logp = torch.log_softmax(policy.model(input_ids=ids).logits[0].float(), dim=-1)
-    n = len(record.prompt_token_ids)
-    return [float(logp[n - 1 + i, t]) for i, t in enumerate(record.token_ids)]
-
-
 def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
@@ -257,7 +246,11 @@ async def test_records_are_exact_and_match_the_in_process_engine(vllm_served, se
     for choice, rec in zip(sampled.choices, records, strict=True):
         assert cf.tokenizer.decode(rec.token_ids, skip_special_tokens=True) == choice.message.content
         assert (
-            max_diff(teacher_forced(backend, model, rec), rec.logprobs) < 1e-3
+            max_diff(
+                backend.service(model).policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids),
+                rec.logprobs,
+            )
+            < 1e-3
         )  # raw temperature-1 logprobs
         top = choice.logprobs.content[0].top_logprobs
         assert len(top) == 2 and top[0].logprob >= top[1].logprob
@@ -308,7 +301,13 @@ async def test_tool_trajectory_through_vllm_is_token_exact(vllm_served) -> None:
     start = len(rec1.prompt_token_ids)
     assert rec2.prompt_token_ids[: start + len(rec1.token_ids)] == rec1.prompt_token_ids + rec1.token_ids
     for rec in (rec1, rec2):
-        assert max_diff(teacher_forced(backend, model, rec), rec.logprobs) < 1e-3
+        assert (
+            max_diff(
+                backend.service(model).policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids),
+                rec.logprobs,
+            )
+            < 1e-3
+        )
 
 
 async def test_json_schema_output_through_vllm(vllm_served) -> None:
@@ -336,7 +335,13 @@ async def test_json_schema_output_through_vllm(vllm_served) -> None:
         assert "\n" not in choice.message.content
         # vLLM masks logits before it scores them; the engine rescores so records hold unmasked logprobs
         rec = jm.record_of(choice)
-        assert max_diff(teacher_forced(backend, model, rec), rec.logprobs) < 1e-3
+        assert (
+            max_diff(
+                backend.service(model).policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids),
+                rec.logprobs,
+            )
+            < 1e-3
+        )
 
 
 def _rollout_groups(model: jm.TrainableModel, split: str, prompts: int, group_size: int, seed: int):
@@ -375,9 +380,21 @@ async def test_training_step_hot_loads_the_adapter_vllm_serves(vllm_served) -> N
     for choice in out.choices:
         rec = jm.record_of(choice)
         assert rec.step == 1 and rec.model == f"{model.name}@1"
-        gap = max(gap, max_diff(teacher_forced(backend, model, rec), rec.logprobs))
+        gap = max(
+            gap,
+            max_diff(
+                backend.service(model).policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids),
+                rec.logprobs,
+            ),
+        )
         with policy.base_only():
-            moved = max(moved, max_diff(teacher_forced(backend, model, rec), rec.logprobs))
+            moved = max(
+                moved,
+                max_diff(
+                    backend.service(model).policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids),
+                    rec.logprobs,
+                ),
+            )
     print(
         f"after one step + hot-load: max |vLLM - trainer| logprob {gap:.2e}; base model differs by {moved:.2f}"
     )

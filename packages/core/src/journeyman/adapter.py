@@ -72,6 +72,15 @@ class LoraPolicy:
         with self.model.disable_adapter():
             yield
 
+    def sampled_logprobs(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """Teacher-forced logprobs of `token_ids` after `prompt_ids` under the current weights: what the
+        trainer sees, to compare with what an engine recorded for the same sample."""
+        ids = torch.tensor([prompt_ids + token_ids], device=self.device)
+        with torch.inference_mode(), self.lock:
+            logp = torch.log_softmax(self.model(input_ids=ids).logits[0].float(), dim=-1)
+        n = len(prompt_ids)
+        return [float(logp[n - 1 + i, t]) for i, t in enumerate(token_ids)]
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
