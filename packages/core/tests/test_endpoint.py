@@ -240,3 +240,38 @@ async def test_responses_route_records_the_same_tokens(served) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         await client.responses.create(model=model.name, input="hi", previous_response_id="resp_x")
     assert e.value.body["param"] == "previous_response_id"
+
+
+async def test_a_shared_prompt_prefix_is_prefilled_once_and_stays_exact(served) -> None:
+    """Concurrent requests that share the system prompt and tools (and one with n=2) reuse one cached
+    prefix KV; every record still equals the trainer's teacher-forced logprobs. A weight change
+    (a training step bumps the policy version) makes the engine compute the prefix again."""
+    model, backend = served
+    service = backend.service(model)
+    engine, policy = service.engine, service.policy
+    client = model.openai_client()
+    system = {"role": "system", "content": FEW_SHOT[0]["content"] + " Be brief. " * 8}
+
+    async def ask(city: str, n: int = 1):
+        return await client.chat.completions.create(
+            model=model.name,
+            messages=[system, {"role": "user", "content": f"What's the weather in {city}?"}],
+            tools=TOOLS,
+            max_tokens=12,
+            n=n,
+            seed=7,
+        )
+
+    computes, saved = engine.prefix_computes, engine.prefix_tokens_saved
+    results = await asyncio.gather(ask("Oslo"), ask("Lima", n=2), ask("Kyoto"))
+    assert engine.prefix_tokens_saved - saved >= 2 * 100  # two prompts skipped a >100-token prefix
+    again = await ask("Cairo")  # a later batch: the prefix comes from the cache
+    assert engine.prefix_computes - computes <= 1
+    for choice in [c for r in (*results, again) for c in r.choices]:
+        rec = jm.record_of(choice)
+        forced = policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids)
+        assert max(abs(a - b) for a, b in zip(forced, rec.logprobs, strict=True)) < 1e-3
+    policy.version += 1  # what a training step or a checkpoint load does
+    computes = engine.prefix_computes
+    await ask("Quito")
+    assert engine.prefix_computes == computes + 1

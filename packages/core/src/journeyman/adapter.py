@@ -65,6 +65,9 @@ class LoraPolicy:
         self.model.eval()
         # Sampling and a training step never overlap on the shared weights.
         self.lock = threading.RLock()
+        # Bumped whenever the adapter weights change (a step, a load): caches of activations
+        # computed under older weights (the engine's shared-prefix KV) are stale after it.
+        self.version = 0
 
     @contextlib.contextmanager
     def base_only(self) -> Iterator[None]:
@@ -99,3 +102,4 @@ class LoraPolicy:
             raise InvalidFieldError("checkpoint", str(path), "has no adapter_model.safetensors")
         with self.lock:
             set_peft_model_state_dict(self.model, load_file(str(file), device=str(self.device)))
+            self.version += 1

@@ -205,6 +205,7 @@ class GRPOTrainer:
                 model.eval()
                 raise FloatingPointError(f"grad_norm={float(grad_norm)}: the step was not applied")
             opt.step()
+            self.policy.version += 1
             opt.zero_grad(set_to_none=True)
             model.eval()
         metrics.update(totals)

@@ -2,9 +2,15 @@
 
 Why not transformers' continuous batching: its logprobs come after temperature/top-p, and it has no
 per-request seed, stop strings or grammar masks. This loop is small: requests that arrive together
-share one batch; identical prompts (n > 1) are prefilled once; finished rows leave the batch; each
-row keeps its own temperature, top-p, seed, stop strings and JSON-schema mask; logprobs are those of
-the raw model distribution (temperature 1), the same quantity the trainer computes.
+share one batch; identical prompts (n > 1, or a GRPO group's first turn) are prefilled once;
+finished rows leave the batch; each row keeps its own temperature, top-p, seed, stop strings and
+JSON-schema mask; logprobs are those of the raw model distribution (temperature 1), the same
+quantity the trainer computes.
+
+Agent prompts are mostly a shared prefix (system prompt, tool definitions: ~570 of ~600 tokens on
+an MCP server), and prefill was the larger part of a rollout turn. The KV of the prefix a batch's
+prompts share is computed once at batch 1, kept across batches until the weights change
+(`LoraPolicy.version`), and copied into each row's static cache.
 """
 
 from __future__ import annotations
@@ -18,9 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import DynamicCache, StaticCache
 
 from ..adapter import LoraPolicy
 from .base import Engine, Sample, SamplingParams
+
+# Prefixes shorter than this are prefilled per prompt: sharing them saves less than it costs.
+MIN_SHARED_PREFIX = 32
 
 
 @dataclass
@@ -55,10 +65,14 @@ class TorchEngine(Engine):
         self.batch_wait_s = batch_wait_s
         self.step = 0
         self.batches = 0
+        self.prefix_computes = 0  # times a shared prompt prefix was prefilled (not found cached)
+        self.prefix_tokens_saved = 0  # prompt tokens whose prefill a shared prefix spared
         self._served = 0
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._grammars: Any = None
         self._grammars_lock = threading.Lock()
+        # (policy version, token ids, per-layer (K, V)) of the last shared prompt prefix
+        self._prefix: tuple[int, tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._thread = threading.Thread(target=self._work, name="journeyman-engine", daemon=True)
         self._thread.start()
 
@@ -135,34 +149,45 @@ class TorchEngine(Engine):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         with self.policy.lock:
             model.eval()
-            # Prefill each distinct prompt once, then fan out to its n rows.
-            width = max(len(j.prompt_ids) for j in jobs)
-            ids = torch.full((len(jobs), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(jobs), width), dtype=torch.long)
-            for i, j in enumerate(jobs):
-                ids[i, width - len(j.prompt_ids) :] = torch.tensor(j.prompt_ids)
-                mask[i, width - len(j.prompt_ids) :] = 1
+            # Identical prompts (n > 1, or a GRPO group's first turn) are prefilled once, and the
+            # prefix every prompt shares (system prompt, tool definitions) once across batches.
+            slot: dict[tuple[int, ...], int] = {}
+            for j in jobs:
+                slot.setdefault(tuple(j.prompt_ids), len(slot))
+            prompts = list(slot)
+            shared, kv = self._shared_prefix(prompts)
+            suffixes = [p[shared:] for p in prompts]
+            self.prefix_tokens_saved += shared * (len(prompts) - 1)
+            width = max(len(p) for p in suffixes)
+            max_new = max(r.job.params.max_tokens for r in rows)
+            ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(prompts), shared + width), dtype=torch.long)
+            mask[:, :shared] = 1
+            for i, p in enumerate(suffixes):  # [shared prefix][padding][own suffix]
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, shared + width - len(p) :] = 1
             ids, mask = ids.to(device), mask.to(device)
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            from transformers import DynamicCache
-
-            cache = DynamicCache()
+            # A static cache: a growing one re-copies every row's whole history at each token,
+            # which cost more than the forward pass at 600-token tool prompts.
+            cache = StaticCache(config=model.config, max_cache_len=shared + width + max_new)
+            for layer, (k, v) in enumerate(kv):
+                cache.update(k.expand(len(prompts), -1, -1, -1), v.expand(len(prompts), -1, -1, -1), layer)
             out = model(
                 input_ids=ids,
                 attention_mask=mask,
-                position_ids=pos,
+                position_ids=pos[:, shared:],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
-            fan = torch.tensor([i for i, j in enumerate(jobs) for _ in range(j.params.n)], device=device)
+            fan = torch.tensor([slot[tuple(r.job.prompt_ids)] for r in rows], device=device)
             cache.reorder_cache(fan)
             logits = out.logits[:, -1, :].float()[fan]
             mask, pos = mask[fan], pos[fan][:, -1:]
             live = list(range(len(rows)))  # row index of each batch position
             temps = torch.tensor([r.job.params.temperature for r in rows], device=device)
             top_ps = torch.tensor([r.job.params.top_p for r in rows], device=device)
-            max_new = max(r.job.params.max_tokens for r in rows)
             for _ in range(max_new):
                 logp = torch.log_softmax(logits, dim=-1)  # (B, V) raw policy, temperature 1
                 nxt = self._sample(logits, [rows[i] for i in live], temps[live], top_ps[live])
@@ -202,7 +227,7 @@ class TorchEngine(Engine):
                 )
                 logits = out.logits[:, -1, :].float()
         results: list[list[Sample]] = [[] for _ in jobs]
-        slot = {id(j): i for i, j in enumerate(jobs)}
+        index = {id(j): i for i, j in enumerate(jobs)}
         for row in rows:
             if row.finish is None:
                 row.finish = "length"
@@ -211,8 +236,46 @@ class TorchEngine(Engine):
                 if row.text is not None
                 else self.tokenizer.decode(row.tokens, skip_special_tokens=True)
             )
-            results[slot[id(row.job)]].append(Sample(row.tokens, row.logprobs, row.finish, text, row.top))
+            results[index[id(row.job)]].append(Sample(row.tokens, row.logprobs, row.finish, text, row.top))
         return results
+
+    def _shared_prefix(
+        self, prompts: list[tuple[int, ...]]
+    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(length, per-layer (K, V) at batch 1) of the prefix all `prompts` share, from the cache when
+        it was computed under the current weights; (0, []) when the shared part is too short to pay.
+
+        Each prompt keeps at least one token of its own, whose logits start its sampling.
+        """
+        common = min(len(p) for p in prompts) - 1
+        first = prompts[0]
+        for p in prompts[1:]:
+            common = min(common, _common_length(first, p, common))
+        if common < MIN_SHARED_PREFIX:
+            return 0, []
+        cached = self._prefix if self._prefix and self._prefix[0] == self.policy.version else None
+        reuse = _common_length(cached[1], first, common) if cached else 0
+        if reuse < MIN_SHARED_PREFIX:
+            reuse = 0
+        kv = [(k[:, :, :reuse], v[:, :, :reuse]) for k, v in cached[2]] if reuse else []
+        if common - reuse < MIN_SHARED_PREFIX:
+            return reuse, kv
+        # Extend the cached prefix by what this batch shares beyond it, at batch 1.
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(kv):
+            cache.update(k, v, layer)
+        device = self.policy.device
+        self.policy.model(
+            input_ids=torch.tensor([first[reuse:common]], device=device),
+            position_ids=torch.arange(reuse, common, device=device)[None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        self.prefix_computes += 1
+        self._prefix = (self.policy.version, first[:common], kv)
+        return common, kv
 
     def _sample(
         self, logits: torch.Tensor, rows: list[_Row], temps: torch.Tensor, top_ps: torch.Tensor
@@ -272,6 +335,14 @@ class TorchEngine(Engine):
 
                 self._grammars = GrammarCache(self.tokenizer, self.policy.model.config.vocab_size)
             return self._grammars
+
+
+def _common_length(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _generator(seed: int | None, k: int, device: torch.device) -> torch.Generator | None:
