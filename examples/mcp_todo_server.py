@@ -10,7 +10,8 @@ server's real state, not by a judge. Regenerate it with:
     python examples/mcp_todo_server.py --write-scenarios examples/mcp_todo_scenarios.json
 
 The list lives in this process. Over stdio every pooled session is its own process, so concurrent
-rollouts never see each other's lists; `--http PORT` serves one shared list on 127.0.0.1.
+rollouts never see each other's lists; `--http PORT` (Streamable HTTP) and `--sse PORT` (SSE) serve one
+shared list on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -94,6 +95,18 @@ TITLES = [
     "pick up the parcel",
     "backup the laptop",
     "write a thank you note",
+    "feed the cat",
+    "paint the fence",
+    "file the taxes",
+    "buy a birthday gift",
+    "mow the lawn",
+    "charge the camera",
+    "sort the photos",
+    "repair the roof",
+    "book the flights",
+    "read the contract",
+    "empty the dishwasher",
+    "visit grandma",
 ]
 ADD = [
     "Add '{t}' to my to-do list.",
@@ -136,7 +149,7 @@ def scenario(kind: str, title: str, rng: random.Random) -> dict[str, object]:
     return {"id": sid, "task": task, "difficulty": 1, "tools": tools, "setup": setup, "checks": checks}
 
 
-def write_scenarios(path: Path, num_eval_titles: int = 4, seed: int = 0) -> None:
+def write_scenarios(path: Path, num_eval_titles: int = 8, seed: int = 0) -> None:
     """Every title x {add, done, remove}; the eval split uses titles never seen in training."""
     rng = random.Random(seed)
     titles = list(TITLES)
@@ -155,6 +168,7 @@ def write_scenarios(path: Path, num_eval_titles: int = 4, seed: int = 0) -> None
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="A to-do list MCP server (stdio by default).")
     p.add_argument("--http", type=int, metavar="PORT", help="serve Streamable HTTP on 127.0.0.1:PORT/mcp")
+    p.add_argument("--sse", type=int, metavar="PORT", help="serve SSE on 127.0.0.1:PORT/sse")
     p.add_argument(
         "--write-scenarios", type=Path, metavar="PATH", help="write the training scenarios and exit"
     )
@@ -163,5 +177,7 @@ if __name__ == "__main__":
         write_scenarios(args.write_scenarios)
     elif args.http:
         server.run(transport="streamable-http", host="127.0.0.1", port=args.http)
+    elif args.sse:
+        server.run(transport="sse", host="127.0.0.1", port=args.sse)
     else:
         server.run()

@@ -208,3 +208,51 @@ async def test_sigkill_during_train_resumes_from_last_checkpoint(tmp_path: Path)
     assert step in (1, 2)  # 1 unless the kill landed after the step-2 checkpoint was complete
     assert (run / "checkpoints" / f"{step:04d}" / "adapter_model.safetensors").exists()
     backend.close()
+
+
+def test_a_shared_prefix_runs_once_with_the_same_logprobs_and_gradients(served) -> None:
+    """Rows that share an untrained prefix (system prompt, tools) run it once per micro-batch; the
+    logprobs and the LoRA gradients equal those of running every row in full."""
+    from journeyman.tokenize import Row
+    from journeyman.train import micro_batches, shared_prefix_length
+
+    model, backend = served
+    service = backend.service(model)
+    tok = service.policy.tokenizer
+    prefix = tok.encode("You are an agent with tools. " * 12)
+    rows = []
+    for i, (user, answer) in enumerate(
+        [("Add milk", "Added milk."), ("Remove rent", "Done, rent is gone now.")]
+    ):
+        r = Row(advantage=1.0 - 2 * i)
+        r.extend(prefix + tok.encode(f" {user}."), trained=False)
+        r.extend(tok.encode(answer), trained=True, logprobs=[-1.0] * len(tok.encode(answer)))
+        rows.append(r)
+    shared = shared_prefix_length(rows)
+    assert shared >= len(prefix) - 1 and shared < rows[0].trained.index(True)
+    assert [
+        len(b) for b in micro_batches(rows, budget=2 * (len(rows[1].input_ids) - shared), shared=shared)
+    ] == [2]
+
+    width = max(len(r.input_ids) for r in rows)
+    ids = torch.zeros((2, width), dtype=torch.long)
+    attn = torch.zeros((2, width), dtype=torch.long)
+    trained = torch.zeros((2, width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids)
+        attn[i, : len(r.input_ids)] = 1
+        trained[i, : len(r.input_ids)] = torch.tensor(r.trained)
+    rows_idx, pos_idx = trained[:, 1:].nonzero(as_tuple=True)
+    targets = ids[:, 1:][rows_idx, pos_idx]
+    params = service.policy.trainable_parameters()
+    results = []
+    with service.policy.lock:
+        for n in (0, shared):
+            logp = service.trainer._logprobs(ids, attn, rows_idx, pos_idx, targets, n)
+            grads = torch.autograd.grad((logp * torch.linspace(-1, 1, len(logp))).sum(), params)
+            results.append((logp.detach(), grads))
+    (full, g_full), (once, g_once) = results
+    assert (full - once).abs().max() < 1e-4
+    num = sum(float((a - b).norm() ** 2) for a, b in zip(g_full, g_once, strict=True)) ** 0.5
+    den = sum(float(a.norm() ** 2) for a in g_full) ** 0.5
+    assert den > 0 and num / den < 1e-3

@@ -119,6 +119,53 @@ async def test_a_dead_server_fails_the_rollout_and_the_pool_replaces_it(tmp_path
         assert pool.replaced == 1
 
 
+@pytest.fixture
+def todo_sse_url(tmp_path: Path):
+    """The example to-do server speaking SSE on 127.0.0.1."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [*TODO_SERVER, "--sse", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    _wait_for_port(proc, port)
+    try:
+        yield f"http://127.0.0.1:{port}/sse"
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(10)
+
+
+async def test_sse_pool_lists_tools_and_calls_them(todo_sse_url: str) -> None:
+    spec = ServerSpec.parse(todo_sse_url)
+    assert spec.transport == "sse"
+    async with SessionPool(spec, size=2) as pool:
+        info = await pool.describe()
+        assert set(info.tool_names()) == {"add_task", "list_tasks", "mark_done", "remove_task"}
+        assert info.name == "todo" and "to-do" in (info.instructions or "")
+        async with pool.lease() as a, pool.lease() as b:  # two SSE sessions, one server-side list
+            assert "Added" in (await a.call("add_task", {"title": "Pay Rent"}, timeout=10)).text
+            assert "Marked" in (await b.call("mark_done", {"title": "pay rent"}, timeout=10)).text
+            missing = await b.call("remove_task", {"title": "nothing"}, timeout=10)
+            listing = await a.call("list_tasks", {}, timeout=10)
+    assert missing.is_error and "no task titled" in missing.text
+    assert "pay rent (done)" in listing.text
+
+
+def _wait_for_port(proc: subprocess.Popen[str], port: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited: {proc.stderr.read() if proc.stderr else ''}")
+        time.sleep(0.3)
+    pytest.fail(f"nothing listened on 127.0.0.1:{port} within {timeout:g}s")
+
+
 def _children(pid: int, needle: str) -> list[int]:
     # -ww: never cut args to the terminal width (pytest sets COLUMNS; long checkout paths got cut)
     out = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
@@ -257,6 +304,21 @@ def test_train_end_to_end_on_mcp_server_time_stdio_with_ruler(tmp_path: Path) ->
     scen = json.loads((tmp_path / "mcp-rl" / "models" / "mcp-agent" / "scenarios.json").read_text())
     assert len(scen["train"]) == 3 and len(scen["eval"]) == 1
 
+    # `mcp-rl eval --step N` re-evaluates any checkpoint of the run on its held-out scenarios.
+    report = json.loads((tmp_path / "mcp-rl" / "models" / "mcp-agent" / "mcp_rl_report.json").read_text())
+    latest = max([0] + [s["new_step"] for s in report["steps"] if not s.get("skipped")])
+    common = ["eval", "--out", str(tmp_path), "--max-tokens", "40", "--max-turns", "2"]
+    for step in sorted({0, latest}):
+        r = _mcp_rl([*common, "--step", str(step), "--", *TIME_SERVER], tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        row = r.stdout.splitlines()[-1].split()
+        assert row[0] == str(step), r.stdout
+        # Greedy decoding of the same adapter on the same scenario gives the run's own eval numbers.
+        same = report["evals"][0 if step == 0 else -1]
+        assert float(row[1]) == pytest.approx(same["success"], abs=0.005), (r.stdout, same)
+    r = _mcp_rl([*common, "--step", str(latest + 5), "--", *TIME_SERVER], tmp_path)
+    assert r.returncode == 1 and "step" in r.stderr and "Traceback" not in r.stderr
+
 
 @pytest.fixture
 def everything_url(tmp_path: Path):
@@ -276,14 +338,7 @@ def everything_url(tmp_path: Path):
         cwd=tmp_path,
         start_new_session=True,
     )
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        if proc.poll() is not None:
-            pytest.fail(f"server-everything exited: {proc.stderr.read() if proc.stderr else ''}")
-        time.sleep(0.5)
+    _wait_for_port(proc, port)
     try:
         yield f"http://127.0.0.1:{port}/mcp"
     finally:

@@ -2,6 +2,11 @@
 
 tokenize (exact sampled ids) -> group advantages -> length-sorted micro-batches -> loss -> AdamW.
 The LM head runs only on trained positions: prompt tokens need hidden states, not logits.
+
+Agent rows share a long untrained prefix (system prompt and tool definitions: ~570 of ~700 tokens
+on an MCP server). Each micro-batch runs that prefix once, at batch 1, and its keys and values are
+expanded to every row; autograd sums the rows' gradients through the expansion, so the update is
+the one a full forward of every row would give, for a fraction of the tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, Field, model_validator
+from transformers import DynamicCache
 
 from .adapter import LoraPolicy
 from .chat_format import ChatFormat
@@ -115,15 +121,34 @@ def build_rows(
     }
 
 
-def micro_batches(rows: list[Row], budget: int) -> Iterator[list[Row]]:
-    """Length-sorted batches whose padded size stays under `budget` tokens (little padding)."""
+# A shared prefix shorter than this is run per row: sharing it saves less than the extra pass costs.
+MIN_SHARED_PREFIX = 32
+
+
+def shared_prefix_length(rows: Sequence[Row]) -> int:
+    """Tokens every row starts with, short of the position that predicts any row's first trained token."""
+    limit = min((r.trained.index(True) if True in r.trained else len(r.input_ids)) - 1 for r in rows)
+    first = rows[0].input_ids
+    n = min(limit, len(first))
+    for r in rows[1:]:
+        other = r.input_ids
+        n = min(n, len(other))
+        for i in range(n):
+            if first[i] != other[i]:
+                n = i
+                break
+    return n if n >= MIN_SHARED_PREFIX else 0
+
+
+def micro_batches(rows: list[Row], budget: int, shared: int = 0) -> Iterator[list[Row]]:
+    """Length-sorted batches whose padded size, beyond the `shared` prefix, stays under `budget` tokens."""
     batch: list[Row] = []
     width = 0
     for r in sorted(rows, key=lambda r: len(r.input_ids)):
-        w = max(width, len(r.input_ids))
+        w = max(width, len(r.input_ids) - shared)
         if batch and w * (len(batch) + 1) > budget:
             yield batch
-            batch, w = [], len(r.input_ids)
+            batch, w = [], len(r.input_ids) - shared
         batch.append(r)
         width = w
     if batch:
@@ -192,7 +217,7 @@ class GRPOTrainer:
             opt.zero_grad(set_to_none=True)
             totals: dict[str, float] = {}
             padded = 0
-            for batch in micro_batches(rows, config.micro_batch_tokens):
+            for batch in micro_batches(rows, config.micro_batch_tokens, shared_prefix_length(rows)):
                 out, n_pad = self._micro_step(batch, num_tokens, config)
                 padded += n_pad
                 for k, v in out.items():
@@ -240,12 +265,13 @@ class GRPOTrainer:
             if config.autocast_bf16
             else contextlib.nullcontext()
         )
+        shared = shared_prefix_length(batch)
         with autocast:
-            logp_flat = self._logprobs(ids, attn, rows_idx, pos_idx, targets)
+            logp_flat = self._logprobs(ids, attn, rows_idx, pos_idx, targets, shared)
             ref_flat = None
             if config.kl_coef > 0:
                 with torch.no_grad(), self.policy.base_only():
-                    ref_flat = self._logprobs(ids, attn, rows_idx, pos_idx, targets)
+                    ref_flat = self._logprobs(ids, attn, rows_idx, pos_idx, targets, shared)
         # Back to (B, T-1) for the loss, which normalises per token.
         shape = target_mask.shape
         logp = torch.zeros(shape, device=device).index_put((rows_idx, pos_idx), logp_flat)
@@ -288,10 +314,30 @@ class GRPOTrainer:
         rows: torch.Tensor,
         pos: torch.Tensor,
         targets: torch.Tensor,
+        shared: int = 0,
     ) -> torch.Tensor:
-        """log π(target) at the trained positions only: the LM head skips every prompt token."""
+        """log π(target) at the trained positions only: the LM head skips every prompt token.
+
+        The first `shared` tokens, the same in every row and never trained, run once (see the module
+        docstring); hidden states are then computed for the rest only.
+        """
         causal_lm: Any = self.policy.model.get_base_model()
-        hidden = causal_lm.model(input_ids=ids, attention_mask=attn).last_hidden_state  # (B, T, H)
-        picked = hidden[:, :-1][rows, pos]  # (N, H)
-        logits = causal_lm.lm_head(picked)  # (N, V)
-        return token_logprobs(logits, targets)
+        if not shared:
+            hidden = causal_lm.model(input_ids=ids, attention_mask=attn).last_hidden_state  # (B, T, H)
+            # the hidden state at position p predicts token p + 1, the target at pos = p
+            return token_logprobs(causal_lm.lm_head(hidden[rows, pos]), targets)
+        b = ids.shape[0]
+        prefix = DynamicCache()
+        causal_lm.model(input_ids=ids[:1, :shared], past_key_values=prefix, use_cache=True)
+        cache = DynamicCache()
+        for layer, kv in enumerate(prefix.layers):
+            cache.update(kv.keys.expand(b, -1, -1, -1), kv.values.expand(b, -1, -1, -1), layer)
+        positions = torch.arange(shared, ids.shape[1], device=ids.device)[None].expand(b, -1)
+        hidden = causal_lm.model(
+            input_ids=ids[:, shared:],
+            attention_mask=attn,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state  # (B, T - shared, H): position t of the row is hidden[:, t - shared]
+        return token_logprobs(causal_lm.lm_head(hidden[rows, pos - shared]), targets)

@@ -73,7 +73,7 @@ def _settings(server: list[str], **kw: object):  # -> McpRlSettings (imported la
     from .train import McpRlSettings
 
     tools = kw.pop("tools")
-    rollout_keys = {"max_turns", "forced_turns", "max_tokens", "tool_timeout", "shaping"}
+    rollout_keys = {"max_turns", "forced_turns", "max_tokens", "tool_timeout", "shaping", "temperature"}
     rollout = RolloutConfig(**{k: kw.pop(k) for k in list(kw) if k in rollout_keys})
     return McpRlSettings(
         server=ServerSpec.parse(server),
@@ -126,6 +126,9 @@ def train(
     max_turns: MaxTurns = 3,
     forced_turns: ForcedTurns = 1,
     max_tokens: MaxTokens = 96,
+    temperature: Annotated[
+        float, typer.Option(help="sampling temperature of training rollouts (evaluation is greedy)")
+    ] = 1.0,
     tool_timeout: Annotated[float, typer.Option(help="seconds per tool call")] = 30.0,
     shaping: Annotated[float, typer.Option(help="reward weight of the valid-tool-call fraction")] = 0.1,
     eval_every: Annotated[
@@ -163,6 +166,7 @@ def train(
         max_turns=max_turns,
         forced_turns=forced_turns,
         max_tokens=max_tokens,
+        temperature=temperature,
         tool_timeout=tool_timeout,
         shaping=shaping,
         eval_every=eval_every,
