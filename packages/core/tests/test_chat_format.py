@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from journeyman.chat_format import SampledTurns, assistant_key, normalize_messages, parse_completion
+from journeyman.chat_format import SampledTurns, normalize_messages, parse_completion
 from journeyman.errors import InvalidFieldError
 
 TOOLS = [
@@ -90,7 +90,7 @@ def test_splices_sampled_ids_for_earlier_assistant_turns(chat_format) -> None:
     sampled = [*chat_format.encode("H"), *chat_format.encode("i there"), chat_format.eos_id]
     assert sampled[:-1] != chat_format.encode("Hi there")
     turns = SampledTurns()
-    turns.add(assistant_key("Hi there", None), sampled)
+    turns.add("Hi there", None, sampled)
     msgs = normalize_messages(
         [*user, {"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "Again"}]
     )
@@ -101,6 +101,23 @@ def test_splices_sampled_ids_for_earlier_assistant_turns(chat_format) -> None:
     )  # the next prompt extends prompt + completion
     plain, none = chat_format.prompt_ids(msgs, None, None)
     assert none == 0 and plain == chat_format.encode(chat_format.render(msgs, None, True))
+
+
+def test_same_call_text_with_other_ids_splices_each_rollouts_own_ids(chat_format) -> None:
+    """Two rollouts sampled the same tool call as different token ids: each history gets its own."""
+    call = {"name": "add_task", "arguments": '{"title": "milk"}'}
+    a = [{"id": "call_a", "type": "function", "function": call}]
+    b = [{"id": "call_b", "type": "function", "function": call}]
+    turns = SampledTurns()
+    turns.add(None, a, [1, 2, 3])
+    turns.add(None, b, [4, 5, 6])
+    assert turns.get(None, a) == [1, 2, 3] and turns.get(None, b) == [4, 5, 6]
+    # a framework that renamed the ids falls back to the text (the latest sample of it)
+    renamed = [{"id": "call_x", "type": "function", "function": call}]
+    assert turns.get(None, renamed) == [4, 5, 6]
+    # same ids but edited arguments: the ids no longer describe this text, nothing is spliced
+    edited = [{"id": "call_a", "type": "function", "function": {**call, "arguments": "{}"}}]
+    assert turns.get(None, edited) is None
 
 
 @pytest.mark.parametrize(

@@ -117,20 +117,40 @@ def assistant_key(content: str | None, tool_calls: Sequence[dict[str, Any]] | No
 
 
 class SampledTurns:
-    """A bounded map from an assistant turn (its key) to the token ids the engine sampled for it."""
+    """A bounded map from an assistant turn to the token ids the engine sampled for it.
+
+    A turn with tool calls is found by its call ids first: they are unique per sample, while two
+    concurrent rollouts of one scenario often write the same call text with different ids (a
+    grammar admits several tokenisations), and the text alone would splice one rollout's ids into
+    the other's history. The text key is the fallback, for frameworks that rewrite call ids.
+    """
 
     def __init__(self, capacity: int = 100_000) -> None:
-        self._turns: OrderedDict[str, list[int]] = OrderedDict()
+        self._turns: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
         self._capacity = capacity
 
-    def add(self, key: str, token_ids: list[int]) -> None:
-        self._turns[key] = token_ids
-        self._turns.move_to_end(key)
+    def add(
+        self, content: str | None, tool_calls: Sequence[dict[str, Any]] | None, token_ids: list[int]
+    ) -> None:
+        key = assistant_key(content, tool_calls)
+        for k in filter(None, (key, _call_ids_key(tool_calls))):
+            self._turns[k] = (key, token_ids)
+            self._turns.move_to_end(k)
         while len(self._turns) > self._capacity:
             self._turns.popitem(last=False)
 
-    def get(self, key: str) -> list[int] | None:
-        return self._turns.get(key)
+    def get(self, content: str | None, tool_calls: Sequence[dict[str, Any]] | None) -> list[int] | None:
+        key = assistant_key(content, tool_calls)
+        by_ids = self._turns.get(_call_ids_key(tool_calls) or "")
+        if by_ids is not None and by_ids[0] == key:  # same ids and still the same text
+            return by_ids[1]
+        by_text = self._turns.get(key)
+        return by_text[1] if by_text is not None else None
+
+
+def _call_ids_key(tool_calls: Sequence[dict[str, Any]] | None) -> str | None:
+    ids = [c.get("id") for c in tool_calls or []]
+    return "ids:" + "\0".join(ids) if ids and all(ids) else None  # type: ignore[arg-type]
 
 
 def parse_completion(text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -233,7 +253,7 @@ class ChatFormat:
             segment = full[len(prev) :]
             msg = messages[k]
             turn = (
-                sampled.get(assistant_key(msg["content"], msg.get("tool_calls")))
+                sampled.get(msg["content"], msg.get("tool_calls"))
                 if sampled and msg["role"] == "assistant"
                 else None
             )

@@ -25,7 +25,6 @@ from .chat_format import (
     TOOL_CALL_OPEN,
     ChatFormat,
     SampledTurns,
-    assistant_key,
     normalize_messages,
     parse_completion,
 )
@@ -211,7 +210,7 @@ class Endpoint:
                 finish_reason=finish,
                 spliced_turns=spliced,
             )
-            self.sampled.add(assistant_key(content, calls), s.token_ids)
+            self.sampled.add(content, calls, s.token_ids)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
