@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -123,19 +125,8 @@ async def test_a_dead_server_fails_the_rollout_and_the_pool_replaces_it(tmp_path
 def todo_sse_url(tmp_path: Path):
     """The example to-do server speaking SSE on 127.0.0.1."""
     port = _free_port()
-    proc = subprocess.Popen(
-        [*TODO_SERVER, "--sse", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    _wait_for_port(proc, port)
-    try:
+    with _serving([*TODO_SERVER, "--sse", str(port)], port):
         yield f"http://127.0.0.1:{port}/sse"
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(10)
 
 
 async def test_sse_pool_lists_tools_and_calls_them(todo_sse_url: str) -> None:
@@ -154,16 +145,35 @@ async def test_sse_pool_lists_tools_and_calls_them(todo_sse_url: str) -> None:
     assert "pay rent (done)" in listing.text
 
 
-def _wait_for_port(proc: subprocess.Popen[str], port: int, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited: {proc.stderr.read() if proc.stderr else ''}")
-        time.sleep(0.3)
-    pytest.fail(f"nothing listened on 127.0.0.1:{port} within {timeout:g}s")
+@contextlib.contextmanager
+def _serving(
+    cmd: list[str], port: int, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Iterator[None]:
+    """A server process (its own process group) that listens on 127.0.0.1:`port` while inside."""
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if proc.poll() is not None:
+                pytest.fail(f"{cmd[0]} exited: {proc.stderr.read() if proc.stderr else ''}")
+            if time.time() > deadline:
+                pytest.fail(f"nothing listened on 127.0.0.1:{port} within 120 s")
+            time.sleep(0.3)
+        yield
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(10)
 
 
 def _children(pid: int, needle: str) -> list[int]:
@@ -329,21 +339,10 @@ def everything_url(tmp_path: Path):
     env = dict(
         os.environ, PORT=str(port), NODE_OPTIONS=f"--require {Path(__file__).parent / 'bind_localhost.cjs'}"
     )
-    proc = subprocess.Popen(
-        [npx, "-y", "@modelcontextprotocol/server-everything", "streamableHttp"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-        start_new_session=True,
-    )
-    _wait_for_port(proc, port)
-    try:
+    with _serving(
+        [npx, "-y", "@modelcontextprotocol/server-everything", "streamableHttp"], port, env, tmp_path
+    ):
         yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(10)
 
 
 def test_train_end_to_end_on_server_everything_streamable_http(tmp_path: Path, everything_url: str) -> None:

@@ -57,7 +57,13 @@ NumEval = Annotated[int, typer.Option(help="of those, held out for evaluation")]
 MaxTurns = Annotated[int, typer.Option(help="model turns per episode")]
 MaxTokens = Annotated[int, typer.Option(help="max tokens per model turn")]
 ForcedTurns = Annotated[int, typer.Option(help="first turns forced to be a tool call (tool_choice=required)")]
-Connections = Annotated[int, typer.Option(help="MCP sessions shared by concurrent rollouts")]
+Connections = Annotated[
+    int | None,
+    typer.Option(
+        help="MCP sessions shared by concurrent rollouts (default: one per rollout of a step, at most 16)",
+        show_default=False,
+    ),
+]
 MaxArgChars = Annotated[
     int,
     typer.Option(
@@ -135,7 +141,7 @@ def train(
         int, typer.Option(help="also evaluate every K steps (0: before and after only)")
     ] = 0,
     tools: Tools = None,
-    connections: Connections = 4,
+    connections: Connections = None,
     max_arg_chars: MaxArgChars = 64,
     max_exceptions: Annotated[
         float, typer.Option(help="failed rollouts tolerated per step (count, or fraction < 1)")
@@ -270,7 +276,7 @@ def eval_(
     forced_turns: ForcedTurns = 1,
     max_tokens: MaxTokens = 96,
     tools: Tools = None,
-    connections: Connections = 4,
+    connections: Connections = None,
     max_arg_chars: MaxArgChars = 64,
     engine: Engine = "torch",
     out: Out = Path(".journeyman"),

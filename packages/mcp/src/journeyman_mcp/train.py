@@ -55,7 +55,11 @@ class McpRlSettings(BaseModel):
     group_size: int = Field(4, ge=2)
     learning_rate: float = Field(1e-4, gt=0)
     eval_every: int = Field(0, ge=0, description="also evaluate every K steps (0: only before and after)")
-    connections: int = Field(4, ge=1)
+    connections: int | None = Field(
+        None,
+        ge=1,
+        description="MCP sessions shared by concurrent rollouts (default: one per rollout of a step, at most 16)",
+    )
     max_arg_chars: int = Field(
         64, ge=0, description="cap string tool arguments at this many characters (0: off)"
     )
@@ -64,6 +68,11 @@ class McpRlSettings(BaseModel):
     )
     seed: int = 0
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+    @property
+    def pool_size(self) -> int:
+        # Rollouts that wait for a session cannot share the engine's batch with the others.
+        return self.connections or min(16, self.groups_per_step * self.group_size)
 
 
 class EvalSummary(BaseModel):
@@ -224,7 +233,7 @@ async def load_or_generate(
 async def connect(settings: McpRlSettings, echo: Echo) -> tuple[SessionPool, ServerInfo]:
     # A stdio server's stderr (often chatty logging) goes to a file in the run directory.
     errlog = settings.out / settings.project / "models" / settings.model / "mcp_server.log"
-    pool = SessionPool(settings.server, size=settings.connections, errlog=errlog)
+    pool = SessionPool(settings.server, size=settings.pool_size, errlog=errlog)
     await pool.__aenter__()
     try:
         info = (await pool.describe()).select(settings.tools).bounded(settings.max_arg_chars)
