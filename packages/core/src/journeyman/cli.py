@@ -120,6 +120,9 @@ def report(
         Path, typer.Argument(help="a model's run directory (.journeyman/<project>/models/<name>)")
     ],
     out: Annotated[Path | None, typer.Option(help="PNG to write (default: <run_dir>/reward.png)")] = None,
+    metric: Annotated[
+        str, typer.Option(help="history metric to plot per split, e.g. reward or success (mcp-rl runs)")
+    ] = "reward",
 ) -> None:
     """Redraw the reward curve of a run from its history.jsonl."""
     from .plot import plot_history
@@ -132,7 +135,7 @@ def report(
         )
         raise typer.Exit(2)
     history = RunStore(run_dir).history()
-    png = plot_history(history, out or run_dir / "reward.png", title=run_dir.name)
+    png = plot_history(history, out or run_dir / "reward.png", title=run_dir.name, metric=metric)
     steps = [r["step"] for r in history if "train/reward" in r]
     typer.echo(f"{len(steps)} training steps; plot: {png}")
 

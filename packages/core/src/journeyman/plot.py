@@ -6,31 +6,35 @@ from pathlib import Path
 from typing import Any
 
 
-def plot_history(history: list[dict[str, Any]], out: Path, title: str = "reward") -> Path:
+def plot_history(
+    history: list[dict[str, Any]], out: Path, title: str = "reward", metric: str = "reward"
+) -> Path:
+    """`train/<metric>` per step and `<split>/<metric>` of each held-out split, with `<split>/<metric>_sem`
+    error bars where recorded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    train = [(r["step"], r["train/reward"]) for r in history if "train/reward" in r]
+    train = [(r["step"], r[f"train/{metric}"]) for r in history if f"train/{metric}" in r]
     if train:
         ax.plot(*zip(*train, strict=True), marker=".", label="train (rollouts of each step)")
     splits = sorted({r["split"] for r in history if r.get("split") not in (None, "train")})
     for split in splits:
         pts = [
-            (r["step"], r[f"{split}/reward"])
+            (r["step"], r[f"{split}/{metric}"])
             for r in history
-            if r.get("split") == split and f"{split}/reward" in r
+            if r.get("split") == split and f"{split}/{metric}" in r
         ]
         # the SEM may sit in its own history row of the same step (demo.evaluate writes it so)
-        sems = {r["step"]: r[f"{split}/reward_sem"] for r in history if f"{split}/reward_sem" in r}
+        sems = {r["step"]: r[f"{split}/{metric}_sem"] for r in history if f"{split}/{metric}_sem" in r}
         errs = [sems.get(step, 0.0) for step, _ in pts]
         if pts:
             xs, ys = zip(*pts, strict=True)
             ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=f"{split} (held out)")
     ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
+    ax.set_ylabel(f"mean {metric}")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -129,6 +129,13 @@ def train(
     groups_per_step: Annotated[int, typer.Option(help="scenarios per step")] = 2,
     group_size: Annotated[int, typer.Option(help="rollouts per scenario (GRPO group)")] = 4,
     learning_rate: Annotated[float, typer.Option(help="AdamW learning rate of the LoRA")] = 1e-4,
+    scale_rewards: Annotated[
+        bool,
+        typer.Option(
+            help="divide advantages by each group's reward std (GRPO); off: centre only (Dr. GRPO), so "
+            "small shaping terms stay small in groups that all failed"
+        ),
+    ] = False,
     max_turns: MaxTurns = 3,
     forced_turns: ForcedTurns = 1,
     max_tokens: MaxTokens = 96,
@@ -169,6 +176,7 @@ def train(
         groups_per_step=groups_per_step,
         group_size=group_size,
         learning_rate=learning_rate,
+        scale_rewards=scale_rewards,
         max_turns=max_turns,
         forced_turns=forced_turns,
         max_tokens=max_tokens,

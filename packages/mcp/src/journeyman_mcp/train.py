@@ -54,6 +54,12 @@ class McpRlSettings(BaseModel):
     groups_per_step: int = Field(2, ge=1)
     group_size: int = Field(4, ge=2)
     learning_rate: float = Field(1e-4, gt=0)
+    scale_rewards: bool = Field(
+        False,
+        description="divide advantages by the group's reward std (GRPO). Off (Dr. GRPO): the reward is a 0/1 "
+        "success plus small shaping terms, and in a group where every rollout failed the std scaling "
+        "would blow those terms up into full-size advantages",
+    )
     eval_every: int = Field(0, ge=0, description="also evaluate every K steps (0: only before and after)")
     connections: int | None = Field(
         None,
@@ -193,11 +199,27 @@ async def evaluate(
             {
                 "step": step,
                 "split": "val",
-                "val/reward_sem": summary.success_sem,
                 "val/success": summary.success,
+                "val/success_sem": summary.success_sem,
             }
         )
     return summary, done
+
+
+async def evaluate_and_echo(
+    model: jm.TrainableModel,
+    pool: SessionPool,
+    info: ServerInfo,
+    scenarios: list[Scenario],
+    cfg: RolloutConfig,
+    echo: Echo,
+) -> EvalSummary:
+    summary, _ = await evaluate(model, pool, info, scenarios, cfg)
+    echo(
+        f"eval@{summary.step}: success {summary.success:.2f} ± {summary.success_sem:.2f}, "
+        f"calls/ep {summary.tool_calls:.2f}"
+    )
+    return summary
 
 
 async def load_or_generate(
@@ -277,12 +299,10 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
         )
         cfg = settings.rollout
         evals: list[EvalSummary] = []
-        summary, _ = await evaluate(model, pool, info, sset.eval, cfg)
-        evals.append(summary)
-        echo(f"eval@{summary.step}: success {summary.success:.2f}, calls/ep {summary.tool_calls:.2f}")
+        evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
         client = model.openai_client()
         score = functools.partial(score_group, judge=judge, judge_model=settings.judge_model)
-        config = jm.TrainConfig(learning_rate=settings.learning_rate)
+        config = jm.TrainConfig(learning_rate=settings.learning_rate, scale_rewards=settings.scale_rewards)
         rng = random.Random(settings.seed)
         order: list[Scenario] = []
         steps: list[dict[str, Any]] = []
@@ -325,6 +345,9 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
                     tool_calls=statistics.mean(float(t.metrics["tool_calls"]) for t in ts),
                     failed=sum(len(g.exceptions) for g in groups),
                 )
+                model.backend.store(model).append_history(
+                    {"step": step, "split": "train", "train/success": row["success"]}
+                )
                 result = await model.train(groups, config=config)
                 row.update(
                     new_step=result.step,
@@ -340,16 +363,15 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
                 f"train {row.get('train_seconds', 0):.0f}s{' (skipped: no reward spread)' if row.get('skipped') else ''}"
             )
             if settings.eval_every and (i + 1) % settings.eval_every == 0 and i + 1 < settings.steps:
-                summary, _ = await evaluate(model, pool, info, sset.eval, cfg)
-                evals.append(summary)
+                evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
         if settings.steps:
-            summary, _ = await evaluate(model, pool, info, sset.eval, cfg)
-            evals.append(summary)
+            evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
         run_dir = model.run_dir
         plot = plot_history(
             backend.store(model).history(),
             run_dir / "reward.png",
-            title=f"mcp-rl: {info.name} ({settings.model})",
+            title=f"mcp-rl: {info.name} ({settings.model}), task success",
+            metric="success",
         )
         report = TrainReport(
             run_dir=run_dir, scenarios_file=spath, generation=gen, evals=evals, steps=steps, plot=plot
