@@ -67,6 +67,26 @@ def test_rows_join_calls_that_extend_each_other(chat_format) -> None:
     assert e.value.field == "groups[0].trajectories[1]"
 
 
+def test_groups_whose_rewards_barely_differ_are_dropped_when_asked(chat_format) -> None:
+    from journeyman.train import build_rows
+
+    def group(*rewards: float) -> jm.TrajectoryGroup:
+        return jm.TrajectoryGroup(
+            [
+                jm.Trajectory(
+                    messages_and_choices=[{"role": "user", "content": "q"}, _choice([1, 2], [3])], reward=r
+                )
+                for r in rewards
+            ]
+        )
+
+    groups = [group(1.0, 0.0), group(-0.01, -0.02), group(0.5, 0.5)]
+    rows, m = build_rows(groups, chat_format, jm.TrainConfig())
+    assert len(rows) == 4 and m["groups_zero_signal"] == 1  # only exact ties carry nothing by default
+    rows, m = build_rows(groups, chat_format, jm.TrainConfig(min_reward_spread=0.05))
+    assert len(rows) == 2 and m["groups_zero_signal"] == 2  # a 0.01 length tie-break is not a signal
+
+
 def test_names_that_escape_the_run_directory_are_refused() -> None:
     for bad in ["../x", "a/b", "..", ".hidden"]:
         with pytest.raises(jm.InvalidFieldError) as e:

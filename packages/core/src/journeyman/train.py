@@ -54,6 +54,12 @@ class TrainConfig(BaseModel):
         gt=0,
         description="truncated importance sampling: ratio vs the trainer's own logprobs, weighted by min(π_trainer / π_engine, cap); None = ratio vs engine logprobs",
     )
+    min_reward_spread: float = Field(
+        0.0,
+        ge=0,
+        description="drop a group whose rewards span less than this (max - min) as carrying no signal, as "
+        "DAPO's dynamic sampling drops all-right and all-wrong groups; 0 keeps any group whose rewards differ",
+    )
     kl_coef: float = Field(
         0.0,
         ge=0,
@@ -96,7 +102,7 @@ def build_rows(
     zero = 0
     for gi, group in enumerate(groups):
         rewards = torch.tensor(group.rewards(), dtype=torch.float64)
-        if len(rewards) < 2 or float(rewards.max() - rewards.min()) < 1e-9:
+        if len(rewards) < 2 or float(rewards.max() - rewards.min()) < max(1e-9, config.min_reward_spread):
             zero += 1
             continue
         adv = group_advantages(rewards, scale_by_std=config.scale_rewards)

@@ -136,6 +136,10 @@ def train(
             "small shaping terms stay small in groups that all failed"
         ),
     ] = False,
+    min_reward_spread: Annotated[
+        float,
+        typer.Option(help="skip groups whose rewards span less than this (they differ by tie-breakers only)"),
+    ] = 0.05,
     max_turns: MaxTurns = 3,
     forced_turns: ForcedTurns = 1,
     max_tokens: MaxTokens = 96,
@@ -177,6 +181,7 @@ def train(
         group_size=group_size,
         learning_rate=learning_rate,
         scale_rewards=scale_rewards,
+        min_reward_spread=min_reward_spread,
         max_turns=max_turns,
         forced_turns=forced_turns,
         max_tokens=max_tokens,

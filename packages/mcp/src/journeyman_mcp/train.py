@@ -54,6 +54,12 @@ class McpRlSettings(BaseModel):
     groups_per_step: int = Field(2, ge=1)
     group_size: int = Field(4, ge=2)
     learning_rate: float = Field(1e-4, gt=0)
+    min_reward_spread: float = Field(
+        0.05,
+        ge=0,
+        description="train only on groups whose rewards span at least this: a group that differs by the "
+        "length term alone (every rollout failed, or every one succeeded) is skipped, not trained on noise",
+    )
     scale_rewards: bool = Field(
         False,
         description="divide advantages by the group's reward std (GRPO). Off (Dr. GRPO): the reward is a 0/1 "
@@ -302,7 +308,11 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
         evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
         client = model.openai_client()
         score = functools.partial(score_group, judge=judge, judge_model=settings.judge_model)
-        config = jm.TrainConfig(learning_rate=settings.learning_rate, scale_rewards=settings.scale_rewards)
+        config = jm.TrainConfig(
+            learning_rate=settings.learning_rate,
+            scale_rewards=settings.scale_rewards,
+            min_reward_spread=settings.min_reward_spread,
+        )
         rng = random.Random(settings.seed)
         order: list[Scenario] = []
         steps: list[dict[str, Any]] = []
