@@ -1,7 +1,11 @@
 """A small MCP server with a checkable end state: a to-do list. Train on it with one command:
 
     uv run mcp-rl train --scenarios-file examples/mcp_todo_scenarios.json --judge none \\
+        --max-turns 1 --max-tokens 48 --max-arg-chars 32 --group-size 8 --groups-per-step 3 \\
+        --temperature 0.7 --learning-rate 5e-4 --steps 10 --eval-every 5 \\
         -- python examples/mcp_todo_server.py
+
+(about 10 minutes on a 2-core CPU; held-out success 0.17 -> 0.50 in the run we measured).
 
 The scenarios file holds tasks ("Mark 'pay rent' as done") with `setup` calls that put the list in
 a known state and `checks` that read the list after the episode, so success is measured on the

@@ -60,7 +60,7 @@ ForcedTurns = Annotated[int, typer.Option(help="first turns forced to be a tool 
 Connections = Annotated[
     int | None,
     typer.Option(
-        help="MCP sessions shared by concurrent rollouts (default: one per rollout of a step, at most 16)",
+        help="MCP sessions shared by concurrent rollouts (default: one per rollout of a step, at most 32)",
         show_default=False,
     ),
 ]

@@ -70,7 +70,7 @@ class McpRlSettings(BaseModel):
     connections: int | None = Field(
         None,
         ge=1,
-        description="MCP sessions shared by concurrent rollouts (default: one per rollout of a step, at most 16)",
+        description="MCP sessions shared by concurrent rollouts (default: one per rollout of a step, at most 32)",
     )
     max_arg_chars: int = Field(
         64, ge=0, description="cap string tool arguments at this many characters (0: off)"
@@ -84,7 +84,7 @@ class McpRlSettings(BaseModel):
     @property
     def pool_size(self) -> int:
         # Rollouts that wait for a session cannot share the engine's batch with the others.
-        return self.connections or min(16, self.groups_per_step * self.group_size)
+        return self.connections or min(32, self.groups_per_step * self.group_size)
 
 
 class EvalSummary(BaseModel):
