@@ -253,6 +253,11 @@ def test_cli_unreachable_server_and_no_tools_exit_cleanly(tmp_path: Path) -> Non
     empty.write_text("from mcp.server.mcpserver import MCPServer\nMCPServer('empty').run()\n")
     r = _mcp_rl(["train", "--out", str(tmp_path), "--", sys.executable, str(empty)], tmp_path, timeout=120)
     assert r.returncode == 1 and "no tools" in r.stderr and "Traceback" not in r.stderr
+    broken = tmp_path / "broken_server.py"
+    broken.write_text("import no_such_module_for_mcp_rl\n")
+    r = _mcp_rl(["train", "--out", str(tmp_path), "--", sys.executable, str(broken)], tmp_path, timeout=120)
+    # the server's own last words come with the message: why it died, not just "connection closed"
+    assert r.returncode == 1 and "No module named 'no_such_module_for_mcp_rl'" in r.stderr
     r = _mcp_rl(["--help"], tmp_path)
     assert r.returncode == 0 and "train" in r.stdout and "scenarios" in r.stdout
 

@@ -348,13 +348,26 @@ class SessionPool:
         return conn
 
     async def __aenter__(self) -> SessionPool:
-        first = await self._open()  # fail fast with one clear message
+        try:
+            first = await self._open()  # fail fast with one clear message
+        except ServerUnavailableError as e:
+            raise ServerUnavailableError(f"{e}{self._stderr_tail()}") from None
         self._free.put_nowait(first)
         rest = await asyncio.gather(*(self._open() for _ in range(self.size - 1)), return_exceptions=True)
         for c in rest:
             if isinstance(c, Connection):
                 self._free.put_nowait(c)
         return self
+
+    def _stderr_tail(self, lines: int = 3) -> str:
+        """The last lines a stdio server wrote to its log: why it died, usually (a missing module...)."""
+        if self._errlog is None or self.errlog_path is None:
+            return ""
+        self._errlog.flush()
+        tail = [x for x in self.errlog_path.read_text(errors="replace").splitlines() if x.strip()][-lines:]
+        if not tail:
+            return ""
+        return f"\nthe server's stderr ({self.errlog_path}) ends with:\n  " + "\n  ".join(tail)
 
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.gather(*(c.close() for c in self._all), return_exceptions=True)
