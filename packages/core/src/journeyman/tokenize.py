@@ -10,6 +10,7 @@ template, their assistant turns trained as re-tokenised text (flagged, old logpr
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .chat_format import ChatFormat, normalize_messages
@@ -17,6 +18,22 @@ from .errors import NoTrainableTokensError
 from .types import History, TokenRecord, Trajectory
 
 NAN = math.nan
+
+# A shared prefix shorter than this is run per sequence: sharing it saves less than the extra pass costs.
+MIN_SHARED_PREFIX = 32
+
+
+def common_prefix_length(seqs: Sequence[Sequence[int]], limit: int) -> int:
+    """How many leading tokens all `seqs` have in common, at most `limit` (engine and trainer run
+    that prefix once for all of them)."""
+    n = min(limit, *(len(s) for s in seqs))
+    first = seqs[0]
+    for other in seqs[1:]:
+        for i in range(n):
+            if first[i] != other[i]:
+                n = i
+                break
+    return n
 
 
 @dataclass

@@ -28,7 +28,7 @@ from .adapter import LoraPolicy
 from .chat_format import ChatFormat
 from .errors import InvalidFieldError
 from .loss import LossKind, group_advantages, policy_loss, token_logprobs
-from .tokenize import Row, trajectory_rows
+from .tokenize import MIN_SHARED_PREFIX, Row, common_prefix_length, trajectory_rows
 from .types import TrajectoryGroup
 
 
@@ -127,22 +127,10 @@ def build_rows(
     }
 
 
-# A shared prefix shorter than this is run per row: sharing it saves less than the extra pass costs.
-MIN_SHARED_PREFIX = 32
-
-
 def shared_prefix_length(rows: Sequence[Row]) -> int:
     """Tokens every row starts with, short of the position that predicts any row's first trained token."""
     limit = min((r.trained.index(True) if True in r.trained else len(r.input_ids)) - 1 for r in rows)
-    first = rows[0].input_ids
-    n = min(limit, len(first))
-    for r in rows[1:]:
-        other = r.input_ids
-        n = min(n, len(other))
-        for i in range(n):
-            if first[i] != other[i]:
-                n = i
-                break
+    n = common_prefix_length([r.input_ids for r in rows], limit)
     return n if n >= MIN_SHARED_PREFIX else 0
 
 

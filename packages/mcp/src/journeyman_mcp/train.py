@@ -205,7 +205,8 @@ async def evaluate(
             {
                 "step": step,
                 "split": "val",
-                "val/success": summary.success,
+                # model.log above already wrote val/success (the mean of the rollouts' metrics); a
+                # second value here would be a second point at the same step on the plot
                 "val/success_sem": summary.success_sem,
             }
         )

@@ -27,10 +27,8 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from ..adapter import LoraPolicy
+from ..tokenize import MIN_SHARED_PREFIX, common_prefix_length
 from .base import Engine, Sample, SamplingParams
-
-# Prefixes shorter than this are prefilled per prompt: sharing them saves less than it costs.
-MIN_SHARED_PREFIX = 32
 
 
 @dataclass
@@ -247,14 +245,12 @@ class TorchEngine(Engine):
 
         Each prompt keeps at least one token of its own, whose logits start its sampling.
         """
-        common = min(len(p) for p in prompts) - 1
         first = prompts[0]
-        for p in prompts[1:]:
-            common = min(common, _common_length(first, p, common))
+        common = common_prefix_length(prompts, min(len(p) for p in prompts) - 1)
         if common < MIN_SHARED_PREFIX:
             return 0, []
         cached = self._prefix if self._prefix and self._prefix[0] == self.policy.version else None
-        reuse = _common_length(cached[1], first, common) if cached else 0
+        reuse = common_prefix_length([cached[1], first], common) if cached else 0
         if reuse < MIN_SHARED_PREFIX:
             reuse = 0
         kv = [(k[:, :, :reuse], v[:, :, :reuse]) for k, v in cached[2]] if reuse else []
@@ -335,14 +331,6 @@ class TorchEngine(Engine):
 
                 self._grammars = GrammarCache(self.tokenizer, self.policy.model.config.vocab_size)
             return self._grammars
-
-
-def _common_length(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _generator(seed: int | None, k: int, device: torch.device) -> torch.Generator | None:
