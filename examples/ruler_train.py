@@ -21,6 +21,7 @@ import random
 from pathlib import Path
 
 import journeyman as jm
+from journeyman.ruler import RulerConfig
 from openai import AsyncOpenAI
 
 RUBRIC = """\
@@ -55,21 +56,19 @@ async def rollout(
 
 async def main(args: argparse.Namespace) -> None:
     async with jm.LocalBackend(path=args.path) as backend:
-        judge = args.judge
+        judge: str | jm.TrainableModel = args.judge
         if judge == "local":
             # A frozen copy of the base model as judge, so the policy does not grade itself.
-            judge_model = jm.TrainableModel(name="judge", project="ruler-example")
-            await judge_model.register(backend)
-            judge = "local:judge"
+            judge = jm.TrainableModel(name="judge", project="ruler-example")
+            await judge.register(backend)
         model = jm.TrainableModel(name="agent", project="ruler-example")
         await model.register(backend)
         client = model.openai_client()
         score = functools.partial(
             jm.ruler_score_group,
             judge=judge,
-            judge_model=args.judge_model,
             rubric=RUBRIC,
-            explanation_chars=args.explanation_chars,
+            config=RulerConfig(judge_model=args.judge_model, explanation_chars=args.explanation_chars),
         )
         rng = random.Random(0)
         config = jm.TrainConfig(learning_rate=args.learning_rate)

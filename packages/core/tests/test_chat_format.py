@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from journeyman.chat_format import SampledTurns, normalize_messages, parse_completion
+from journeyman.chat_format import SampledTurns, parse_completion
 from journeyman.errors import InvalidFieldError
+from journeyman.messages import normalize_messages
 
 TOOLS = [
     {

@@ -386,7 +386,7 @@ async def test_cli_pulls_the_review_set_and_trains_one_step(
     pulled = await asyncio.to_thread(
         runner.invoke,
         app,
-        ["pull", "--score", "human", "--tag", "journeyman", "--source", "ANNOTATION", "--out", str(out)],
+        ["pull", "--score", "human", "--tag", "journeyman", "--source", "ANNOTATION", "--output", str(out)],
         env=env,
     )
     assert pulled.exit_code == 0, pulled.output

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from journeyman.endpoint import ServerThread
 from journeyman.ruler import (
     DEFAULT_RUBRIC,
+    RulerConfig,
     RulerJudgeError,
     build_prompt,
     ruler_score_group,
@@ -89,9 +90,8 @@ def rule_judge() -> Iterator[RuleJudge]:
 def judge(rule_judge: RuleJudge, tmp_path: Path) -> Any:
     rule_judge.requests.clear()
     rule_judge.plan.clear()
-    return functools.partial(
-        ruler_score_group, judge=rule_judge.base_url, judge_model="rule", cache_dir=tmp_path / "ruler"
-    )
+    config = RulerConfig(judge_model="rule", cache_dir=tmp_path / "ruler")
+    return functools.partial(ruler_score_group, judge=rule_judge.base_url, config=config)
 
 
 def answer(text: str, reward: float = 0.0) -> jm.Trajectory:
@@ -272,13 +272,42 @@ async def test_judge_specs() -> None:
     with pytest.raises(jm.InvalidFieldError) as err:
         await ruler_score_group(group(), judge="http://127.0.0.1:9/v1", swallow_exceptions=True)
     assert err.value.field == "judge_model"
-    with pytest.raises(jm.InvalidFieldError):
+    with pytest.raises(jm.InvalidFieldError) as err:
         await ruler_score_group(group(), judge="")
-    with pytest.raises(jm.InvalidFieldError):  # nothing of that name is served in this process
+    assert err.value.field == "judge"
+    with pytest.raises(jm.InvalidFieldError) as err:  # nothing of that name is served in this process
         await ruler_score_group(group(), judge="local:no-such-model")
+    assert err.value.field == "judge"
     if importlib.util.find_spec("litellm") is None:
         with pytest.raises(ImportError, match=r'pip install "journeyman\[litellm\]"'):
             await ruler_score_group(group(), judge="openai/gpt-4o", swallow_exceptions=True)
+
+
+async def test_config_values_are_checked_by_name() -> None:
+    with pytest.raises(jm.InvalidFieldError) as err:
+        await ruler_score_group(group(), judge="http://127.0.0.1:9/v1", explanation_chars=-1)
+    assert err.value.field == "explanation_chars"
+    with pytest.raises(jm.InvalidFieldError) as err:  # a typo is refused, never ignored
+        await ruler_score_group(group(), judge="http://127.0.0.1:9/v1", judge_modle="rule")
+    assert err.value.field == "judge_modle" and "judge_model" in err.value.reason
+    with pytest.raises(jm.InvalidFieldError) as err:
+        RulerConfig(timeout_s=0)
+    assert err.value.field == "timeout_s"
+    with pytest.raises(jm.InvalidFieldError) as err:
+        await ruler_score_group(group(), config={"judge_model": "rule"})  # type: ignore[arg-type]
+    assert err.value.field == "config"
+    # keyword options override the config's fields; the config itself is left as it was
+    base = RulerConfig(judge_model="a", explanation_chars=10)
+    assert base.with_options(explanation_chars=20) == RulerConfig(judge_model="a", explanation_chars=20)
+    assert base.explanation_chars == 10 and "api_key" not in repr(RulerConfig(api_key="k"))
+
+
+async def test_unreachable_judge_is_swallowed_on_request(tmp_path: Path) -> None:
+    config = RulerConfig(judge_model="rule", cache_dir=tmp_path, timeout_s=5)
+    out = await ruler_score_group(group(), "http://127.0.0.1:9/v1", swallow_exceptions=True, config=config)
+    assert out.metadata["ruler"]["skipped"] and out.metadata["ruler"]["judge"] == "http://127.0.0.1:9/v1"
+    with pytest.raises(Exception, match="Connection"):
+        await ruler_score_group(group(), "http://127.0.0.1:9/v1", config=config)
 
 
 def test_truncate_and_prompt_shape() -> None:

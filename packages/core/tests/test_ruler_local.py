@@ -14,8 +14,7 @@ from typing import Any
 import journeyman as jm
 import jsonschema
 import pytest
-from journeyman.backend import local_endpoint
-from journeyman.ruler import build_prompt, ruler_score_group
+from journeyman.ruler import RulerConfig, build_prompt, ruler_score_group
 
 pytestmark = pytest.mark.integration
 
@@ -53,10 +52,11 @@ async def test_local_judge_dedupe_and_cache(served: tuple[Any, Any], tmp_path: P
     check_answer(group, scored, 12)
     assert scored.rewards()[0] == scored.rewards()[2]  # duplicates share one judgement
 
-    # the same group again: answered from the disk cache, no generation at all
+    # the same group again, the judge named by its model object: the same judge, so answered from
+    # the disk cache, no generation at all
     served_before = engine.requests_served
     again = await ruler_score_group(
-        group, judge=f"local:{model.name}", explanation_chars=12, cache_dir=tmp_path
+        group, judge=model, config=RulerConfig(explanation_chars=12, cache_dir=tmp_path)
     )
     assert engine.requests_served == served_before
     assert again.rewards() == scored.rewards()
@@ -67,7 +67,7 @@ async def test_local_judge_group_of_eight(served: tuple[Any, Any], tmp_path: Pat
     texts = ["Paris.", "Lyon.", "Marseille.", "Paris, France.", "I don't know.", "Berlin.", "Nice.", "Rome."]
     group = jm.TrajectoryGroup([answer(t) for t in texts])
     scored = await ruler_score_group(group, judge="local", explanation_chars=4, cache_dir=tmp_path)
-    name, _ = local_endpoint()  # bare "local": the model served most recently in this process
+    name = jm.current_backend().inference().model  # bare "local": the latest model registered here
     assert scored.metadata["ruler"]["judge"].startswith(f"local:{name}@")
     assert scored.metadata["ruler"]["unique"] == 8
     check_answer(group, scored, 4)

@@ -165,7 +165,25 @@ async def test_step_checkpoint_serve_resume_and_prune(tmp_path: Path) -> None:
     groups = await _groups(model2)
     _force_signal(groups)
     assert (await model2.train(groups)).step == 2
-    assert model2.delete_checkpoints("val/reward") == []  # step 1 is best (the only val), step 2 latest
+    assert await model2.delete_checkpoints("val/reward") == []  # step 1 is best (the only val), step 2 latest
+
+    # an older checkpoint served for an eval: exactly its weights, the base model at 0, no training on it
+    policy2 = backend2.service(model2).policy
+    latest = [p.detach().clone() for p in policy2.trainable_parameters()]
+    await model2.serve_step(1)
+    assert all(torch.equal(a, b) for a, b in zip(trained, policy2.trainable_parameters(), strict=True))
+    await model2.serve_step(0)
+    assert all(p.abs().sum() == 0 for n, p in policy2.model.named_parameters() if "lora_B" in n)
+    fresh = await _groups(model2, n=1, size=1)
+    assert jm.record_of(fresh[0].trajectories[0].messages_and_choices[-1]).step == 0
+    with pytest.raises(jm.InvalidFieldError) as refused:
+        await model2.train(groups)
+    assert refused.value.field == "step"
+    with pytest.raises(jm.InvalidFieldError) as out_of_range:
+        await model2.serve_step(3)
+    assert out_of_range.value.field == "step" and "0..2" in str(out_of_range.value)
+    await model2.serve_step(2)
+    assert all(torch.equal(a, b) for a, b in zip(latest, policy2.trainable_parameters(), strict=True))
     backend2.close()
 
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import journeyman as jm
 import pytest
 from journeyman_mcp.scenarios import Check, generate_scenarios, schema_scenarios, split
 from journeyman_mcp.server import ServerInfo, ServerSpec, SessionPool, bound_strings
@@ -206,6 +207,18 @@ async def test_schema_scenarios_are_valid_distinct_and_split() -> None:
     assert len(got) == 5 and report.from_schema == 5 and report.generator_error
 
 
+async def test_generator_specs_are_checked_by_name() -> None:
+    info = ServerInfo(
+        name="t", tools=[{"type": "function", "function": {"name": "now", "description": "time"}}]
+    )
+    with pytest.raises(jm.InvalidFieldError) as err:  # a URL needs a model name: raised, not a fallback
+        await generate_scenarios(info, 2, generator="http://127.0.0.1:9/v1")
+    assert err.value.field == "generator_model"
+    with pytest.raises(jm.InvalidFieldError) as err:
+        await generate_scenarios(info, 2, generator="gpt 4o")
+    assert err.value.field == "generator"
+
+
 async def test_the_local_model_generates_scenarios_under_the_schema(served: tuple[object, object]) -> None:
     model, _ = served
     info = ServerInfo(
@@ -245,17 +258,17 @@ def test_check_matches_case_insensitively() -> None:
 
 
 def test_cli_unreachable_server_and_no_tools_exit_cleanly(tmp_path: Path) -> None:
-    r = _mcp_rl(["train", "http://127.0.0.1:9/mcp", "--out", str(tmp_path)], tmp_path, timeout=120)
+    r = _mcp_rl(["train", "http://127.0.0.1:9/mcp", "--path", str(tmp_path)], tmp_path, timeout=120)
     assert r.returncode == 1 and "cannot connect" in r.stderr and "Traceback" not in r.stderr
-    r = _mcp_rl(["train", "--out", str(tmp_path), "--", "no-such-mcp-server-binary"], tmp_path, timeout=60)
+    r = _mcp_rl(["train", "--path", str(tmp_path), "--", "no-such-mcp-server-binary"], tmp_path, timeout=60)
     assert r.returncode == 1 and "not found" in r.stderr and "Traceback" not in r.stderr
     empty = tmp_path / "empty_server.py"
     empty.write_text("from mcp.server.mcpserver import MCPServer\nMCPServer('empty').run()\n")
-    r = _mcp_rl(["train", "--out", str(tmp_path), "--", sys.executable, str(empty)], tmp_path, timeout=120)
+    r = _mcp_rl(["train", "--path", str(tmp_path), "--", sys.executable, str(empty)], tmp_path, timeout=120)
     assert r.returncode == 1 and "no tools" in r.stderr and "Traceback" not in r.stderr
     broken = tmp_path / "broken_server.py"
     broken.write_text("import no_such_module_for_mcp_rl\n")
-    r = _mcp_rl(["train", "--out", str(tmp_path), "--", sys.executable, str(broken)], tmp_path, timeout=120)
+    r = _mcp_rl(["train", "--path", str(tmp_path), "--", sys.executable, str(broken)], tmp_path, timeout=120)
     # the server's own last words come with the message: why it died, not just "connection closed"
     assert r.returncode == 1 and "No module named 'no_such_module_for_mcp_rl'" in r.stderr
     r = _mcp_rl(["--help"], tmp_path)
@@ -296,7 +309,7 @@ def test_train_end_to_end_on_mcp_server_time_stdio_with_ruler(tmp_path: Path) ->
     r = _mcp_rl(
         [
             "train",
-            "--out",
+            "--path",
             str(tmp_path),
             "--num-scenarios",
             "4",
@@ -322,7 +335,7 @@ def test_train_end_to_end_on_mcp_server_time_stdio_with_ruler(tmp_path: Path) ->
     # `mcp-rl eval --step N` re-evaluates any checkpoint of the run on its held-out scenarios.
     report = json.loads((tmp_path / "mcp-rl" / "models" / "mcp-agent" / "mcp_rl_report.json").read_text())
     latest = max([0] + [s["new_step"] for s in report["steps"] if not s.get("skipped")])
-    common = ["eval", "--out", str(tmp_path), "--max-tokens", "40", "--max-turns", "2"]
+    common = ["eval", "--path", str(tmp_path), "--max-tokens", "40", "--max-turns", "2"]
     for step in sorted({0, latest}):
         r = _mcp_rl([*common, "--step", str(step), "--", *TIME_SERVER], tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -355,7 +368,7 @@ def test_train_end_to_end_on_server_everything_streamable_http(tmp_path: Path, e
         [
             "train",
             everything_url,
-            "--out",
+            "--path",
             str(tmp_path),
             "--tools",
             "echo,get-sum",

@@ -21,7 +21,7 @@ from agents import Agent, RunConfig, Runner
 from agents.result import RunResult, RunResultStreaming
 from agents.stream_events import StreamEvent
 from agents.tracing import gen_trace_id, get_current_trace
-from journeyman.capture import CapturedCall, capture_scope
+from journeyman import CapturedCall, capture_scope
 
 from ._build import build_trajectory
 from ._provider import JourneymanModelProvider, ModelAPI
@@ -59,7 +59,7 @@ class StreamedAgentRun:
             if not self.result.is_complete:
                 async for _ in self.result.stream_events():
                     pass
-            self._trajectory = self._runner._finish(self._capture_id, self._trace_id, self.result)
+            self._trajectory = await self._runner._finish(self._capture_id, self._trace_id, self.result)
         return self._trajectory
 
 
@@ -95,12 +95,14 @@ class TrainableRunner:
         config = dataclasses.replace(config, model_provider=self.provider, trace_id=trace_id)
         return config, trace_id
 
-    def _calls(self, capture_id: str) -> list[CapturedCall]:
-        return list(self.model.backend.pop_captures(self.model, capture_id))
+    async def _calls(self, capture_id: str) -> list[CapturedCall]:
+        return (await self.model.pop_captures([capture_id]))[capture_id]
 
-    def _finish(self, capture_id: str, trace_id: str, result: RunResult | RunResultStreaming) -> Trajectory:
+    async def _finish(
+        self, capture_id: str, trace_id: str, result: RunResult | RunResultStreaming
+    ) -> Trajectory:
         trajectory = build_trajectory(
-            self._calls(capture_id), self._collector.release(trace_id), self.trained_agents
+            await self._calls(capture_id), self._collector.release(trace_id), self.trained_agents
         )
         trajectory.metadata["trace_id"] = trace_id
         trajectory.metadata["last_agent"] = result.last_agent.name
@@ -118,10 +120,10 @@ class TrainableRunner:
             try:
                 result = await Runner.run(starting_agent, input, run_config=config, **kwargs)
             except BaseException:
-                self._calls(capture_id)  # drop what the endpoint filed for the failed run
+                await self._calls(capture_id)  # drop what the endpoint filed for the failed run
                 self._collector.release(trace_id)
                 raise
-        return AgentRun(result, self._finish(capture_id, trace_id, result))
+        return AgentRun(result, await self._finish(capture_id, trace_id, result))
 
     def run_streamed(
         self, starting_agent: Agent[Any], input: Any, *, run_config: RunConfig | None = None, **kwargs: Any

@@ -1,8 +1,13 @@
-"""Journeyman: on-the-job reinforcement learning for LLM agents."""
+"""Journeyman: on-the-job reinforcement learning for LLM agents.
 
-from .adapter import LoraConfig
-from .backend import LocalBackend
-from .capture import CapturedCall
+`import journeyman` is light (no torch, nothing started): the engine, the trainer and their
+libraries load when a backend first serves a model.
+"""
+
+from .backend import Backend, Inference, current_backend
+from .capture import CAPTURE_HEADER, CapturedCall, capture_scope
+from .config import DEFAULT_BASE_MODEL, LoraConfig, ModelConfig, TrainConfig, TrainResult
+from .engine.vllm_server import VLLMConfig
 from .errors import (
     BaseModelNotFoundError,
     EmptyGroupError,
@@ -13,24 +18,29 @@ from .errors import (
     UnknownModelError,
 )
 from .gather import gather_trajectory_groups
-from .model import TrainableModel
-from .ruler import RulerJudgeError, ruler_score_group
-from .train import TrainConfig, TrainResult
+from .local_backend import LocalBackend
+from .model import Capture, TrainableModel
+from .ruler import RulerConfig, RulerJudgeError, ruler_score_group
 from .types import History, RolloutException, TokenRecord, Trajectory, TrajectoryGroup, record_of
-from .weights import DEFAULT_BASE_MODEL
 
 __all__ = [
+    "CAPTURE_HEADER",
     "DEFAULT_BASE_MODEL",
+    "Backend",
     "BaseModelNotFoundError",
+    "Capture",
     "CapturedCall",
     "EmptyGroupError",
     "History",
+    "Inference",
     "InvalidFieldError",
     "JourneymanError",
     "LocalBackend",
     "LoraConfig",
+    "ModelConfig",
     "NoTrainableTokensError",
     "RolloutException",
+    "RulerConfig",
     "RulerJudgeError",
     "TokenRecord",
     "TooManyExceptionsError",
@@ -40,6 +50,9 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "UnknownModelError",
+    "VLLMConfig",
+    "capture_scope",
+    "current_backend",
     "gather_trajectory_groups",
     "record_of",
     "ruler_score_group",

@@ -11,19 +11,30 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel, Field
 
+if TYPE_CHECKING:
+    from transformers import Cache
+
+from .config import LoraConfig
 from .errors import InvalidFieldError
 
 
-class LoraConfig(BaseModel):
-    r: int = Field(8, ge=1, description="LoRA rank")
-    alpha: int = Field(16, ge=1, description="LoRA alpha (scale = alpha / r)")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] | str = Field("all-linear", description="modules that get an adapter")
+def cache_kv(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) of a filled attention cache, to copy a shared prefix into another cache.
+
+    transformers types a layer as possibly empty or linear-attention (no K/V): neither can happen
+    after a forward pass of the attention-only models we load, so either is refused loudly.
+    """
+    out = []
+    for i, layer in enumerate(cache.layers):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise TypeError(f"cache layer {i} ({type(layer).__name__}) holds no attention keys and values")
+        out.append((keys, values))
+    return out
 
 
 def pick_device(device: str | None = None) -> torch.device:
@@ -52,7 +63,9 @@ class LoraPolicy:
         self.dtype = getattr(torch, dtype)
         self.lora = lora or LoraConfig()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        # transformers wraps `.to` in a decorator whose stub leaves `self` unbound
+        base = base.to(self.device)  # pyright: ignore[reportArgumentType]
         base.eval()
         peft_config = PeftLoraConfig(
             r=self.lora.r,
@@ -91,6 +104,15 @@ class LoraPolicy:
         path.mkdir(parents=True, exist_ok=True)
         with self.lock:
             self.model.save_pretrained(str(path))
+
+    def reset(self) -> None:
+        """Back to the base model: LoRA's B matrices to zero (as PEFT initialises them), so the
+        adapter adds nothing."""
+        with self.lock, torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if "lora_B" in name:
+                    p.zero_()
+            self.version += 1
 
     def load(self, path: Path) -> None:
         """Load adapter weights saved by `save` into the live adapter (resume)."""

@@ -1,238 +1,125 @@
-"""LocalBackend: serves and trains models in this process, with the run directory on local disk."""
+"""The Backend contract: what a `TrainableModel` and every adapter may ask of the thing that serves
+and trains it. `LocalBackend` (this process), a remote client of `journeyman serve`, and a
+distributed backend all implement it, so rollout code never changes when the backend does.
+
+    class MyBackend:                       # structural: no base class needed
+        async def register(self, model: ModelConfig) -> None: ...
+        def inference(self, model_name: str | None = None) -> Inference: ...
+        ...
+    assert isinstance(MyBackend(), jm.Backend)
+
+Threading: every method is called from the user's event loop; a backend that trains or samples on
+other threads keeps its own state safe. Models are addressed by name (the `ModelConfig` given to
+`register`), so the contract is data that can cross a process boundary.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
-from .adapter import LoraPolicy
+from pydantic import BaseModel, Field
+
 from .capture import CapturedCall
-from .chat_format import ChatFormat
-from .endpoint import Endpoint, ServerThread, build_app
-from .engine import Engine
-from .engine.vllm_server import VLLMConfig
+from .config import ModelConfig, TrainConfig, TrainResult
 from .errors import InvalidFieldError
-from .model import TrainableModel
-from .observe import GroupContext, emit
-from .store import RunStore
-from .train import GRPOTrainer, TrainConfig, TrainResult
 from .types import TrajectoryGroup
-from .weights import resolve_base_model
-
-log = logging.getLogger("journeyman")
 
 
-def _prefixed(split: str, metrics: dict[str, float]) -> dict[str, float]:
-    return {f"{split}/{k}": v for k, v in metrics.items()}
+class Inference(BaseModel):
+    """Where a served model answers OpenAI-compatible requests."""
+
+    base_url: str = Field(description="OpenAI base URL, e.g. http://127.0.0.1:7800/v1")
+    api_key: str = Field(description="bearer token the endpoint accepts")
+    model: str = Field(description="the model name to put in requests")
 
 
-def _check_groups(groups: Sequence[TrajectoryGroup]) -> list[TrajectoryGroup]:
-    groups = list(groups)
-    if not groups:
-        raise InvalidFieldError("groups", groups, "need at least one TrajectoryGroup")
-    for i, g in enumerate(groups):
-        if not isinstance(g, TrajectoryGroup):
-            raise InvalidFieldError(f"groups[{i}]", g, "expected a TrajectoryGroup")
-        if g.pending:
-            raise InvalidFieldError(
-                f"groups[{i}]", f"{len(g.pending)} pending rollouts", "await the group (or gather it) first"
-            )
-    return groups
+@runtime_checkable
+class Backend(Protocol):
+    """Serves and trains registered models; everything a model or an adapter needs goes through here."""
 
+    async def register(self, model: ModelConfig) -> None:
+        """Load (or resume from its run directory) and serve `model`; registering again is a no-op."""
+        ...
 
-# name -> base URL of every model served in this process (the offline `judge="local"` uses it).
-_LOCAL_ENDPOINTS: dict[str, str] = {}
+    def inference(self, model_name: str | None = None) -> Inference:
+        """The endpoint serving `model_name` (the latest registered when None)."""
+        ...
 
-
-def local_endpoint(name: str | None = None) -> tuple[str, str]:
-    """(model name, base URL) of a model served in this process: `name`, else the latest registered."""
-    if not _LOCAL_ENDPOINTS:
-        raise InvalidFieldError("judge", "local", "no model is served in this process: register one first")
-    if name is None:
-        name = next(reversed(_LOCAL_ENDPOINTS))
-    if name not in _LOCAL_ENDPOINTS:
-        raise InvalidFieldError("model", name, f"not served here; served: {sorted(_LOCAL_ENDPOINTS)}")
-    return name, _LOCAL_ENDPOINTS[name]
-
-
-@dataclass
-class _Service:
-    model: TrainableModel
-    policy: LoraPolicy
-    chat_format: ChatFormat
-    engine: Engine
-    endpoint: Endpoint
-    server: ServerThread
-    store: RunStore
-    trainer: GRPOTrainer
-
-
-class LocalBackend:
-    """Runs engine, endpoint and trainer for each registered model in this process.
-
-    `engine="torch"` (default) samples in process from the weights the trainer updates.
-    `engine="vllm"` (or a `VLLMConfig`) samples through a vLLM server process that hot-loads each step's adapter.
-    """
-
-    def __init__(
-        self,
-        path: str | Path = ".journeyman",
-        *,
-        engine: str | VLLMConfig = "torch",
-        device: str | None = None,
-        dtype: str = "float32",
-    ) -> None:
-        self.vllm_config = engine if isinstance(engine, VLLMConfig) else VLLMConfig()
-        engine = "vllm" if isinstance(engine, VLLMConfig) else engine
-        if engine not in ("torch", "vllm"):
-            raise InvalidFieldError("engine", engine, "supported engines: 'torch', 'vllm' (or a VLLMConfig)")
-        self.path = Path(path)
-        self.engine_kind = engine
-        self.device = device
-        self.dtype = dtype
-        self._services: dict[str, _Service] = {}
-
-    def model_dir(self, model: TrainableModel) -> Path:
-        return self.path / model.project / "models" / model.name
-
-    async def register(self, model: TrainableModel) -> None:
-        if model.name in self._services:
-            self._services[model.name].model = model
-            return
-        self._services[model.name] = await asyncio.to_thread(self._start, model)
-
-    def _start(self, model: TrainableModel) -> _Service:
-        weights = resolve_base_model(model.base_model)
-        policy = LoraPolicy(weights, model.lora, device=self.device, dtype=self.dtype)
-        chat_format = ChatFormat(policy.tokenizer)
-        engine = self._make_engine(weights, policy, chat_format)
-        endpoint = Endpoint(engine, chat_format, model.name, default_max_tokens=model.max_tokens)
-        store = RunStore(self.model_dir(model))
-        trainer = GRPOTrainer(policy, chat_format)
-        step = store.latest_step()
-        if step > 0:  # resume: the last checkpoint's adapter and optimizer state
-            ckpt = store.checkpoint_dir(step)
-            policy.load(ckpt)
-            trainer.load_optimizer(ckpt)
-            engine.step = step
-        else:
-            store.write_state(0, base_model=model.base_model)
-        server = ServerThread(build_app(endpoint))
-        _LOCAL_ENDPOINTS[model.name] = server.base_url
-        return _Service(model, policy, chat_format, engine, endpoint, server, store, trainer)
-
-    def _make_engine(self, weights: Path, policy: LoraPolicy, chat_format: ChatFormat) -> Engine:
-        """The engine named by `engine=`; each kind's module is imported only when chosen."""
-        if self.engine_kind == "vllm":
-            from .engine.vllm_engine import VLLMEngine
-
-            return VLLMEngine(
-                weights, chat_format.stop_ids, self.vllm_config, dtype=self.dtype, lora_rank=policy.lora.r
-            )
-        from .engine.torch_engine import TorchEngine
-
-        return TorchEngine(policy, chat_format.stop_ids)
-
-    def service(self, model: TrainableModel) -> _Service:
-        try:
-            return self._services[model.name]
-        except KeyError:
-            raise InvalidFieldError("model", model.name, "is not registered with this backend") from None
-
-    def base_url(self, model: TrainableModel) -> str:
-        return self.service(model).server.base_url
-
-    def step(self, model: TrainableModel) -> int:
-        return self.service(model).engine.step
-
-    def pop_captures(self, model: TrainableModel, capture_id: str) -> list[CapturedCall]:
-        return self.service(model).endpoint.captures.pop(capture_id)
+    async def get_step(self, model: ModelConfig) -> int:
+        """The policy step the endpoint serves now."""
+        ...
 
     async def train(
-        self, model: TrainableModel, groups: Sequence[TrajectoryGroup], config: TrainConfig | None = None
+        self,
+        model: ModelConfig,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        *,
+        idempotency_key: str | None = None,
     ) -> TrainResult:
         """One training step on `groups`; the endpoint serves the new step when this returns.
 
-        The groups are written to `trajectories/train/<step>.jsonl` before the update, so a crash
-        loses nothing; the adapter and optimizer go to `checkpoints/<step+1>/` after it.
-        """
-        config = config or TrainConfig()
-        s = self.service(model)
-        groups = _check_groups(groups)
-        step = s.engine.step
-        s.store.write_groups(groups, "train", step)
-        emit(
-            groups,
-            GroupContext(project=model.project, model=model.name, step=step, split="train", source="train"),
-        )
-        sleep, wake = getattr(s.engine, "sleep", None), getattr(s.engine, "wake", None)
-        if sleep is not None:
-            await sleep()
-        try:
-            updated, metrics = await asyncio.to_thread(s.trainer.step, groups, config)
-        finally:
-            if wake is not None:
-                await wake()
-        if not updated:
-            log.warning(
-                "step %d skipped: none of the %d groups has rewards that differ (nothing to learn from)",
-                step,
-                len(groups),
-            )
-            s.store.append_history(
-                {"step": step, "split": "train", "skipped": True, **_prefixed("train", metrics)}
-            )
-            return TrainResult(step=step, metrics=metrics, skipped=True)
-        new_step = step + 1
-        ckpt = s.store.checkpoint_dir(new_step)
-        await asyncio.to_thread(s.policy.save, ckpt)
-        await asyncio.to_thread(s.trainer.save_optimizer, ckpt)
-        t0 = time.perf_counter()
-        await s.engine.load_adapter(ckpt, new_step)
-        metrics["adapter_load_seconds"] = time.perf_counter() - t0
-        s.store.write_state(new_step, base_model=model.base_model)
-        s.store.append_history({"step": step, "split": "train", **_prefixed("train", metrics)})
-        return TrainResult(step=new_step, metrics=metrics)
+        A call repeating the `idempotency_key` of a completed step returns that step's result."""
+        ...
 
     async def log(
-        self, model: TrainableModel, groups: Sequence[TrajectoryGroup], split: str = "val"
+        self,
+        model: ModelConfig,
+        groups: Sequence[TrajectoryGroup] | None = None,
+        split: str = "val",
+        metrics: Mapping[str, float] | None = None,
     ) -> dict[str, float]:
-        """Record groups (e.g. an evaluation) without training: trajectories and a history row."""
-        s = self.service(model)
-        groups = _check_groups(groups)
-        step = s.engine.step
-        s.store.write_groups(groups, split, step)
-        emit(
-            groups,
-            GroupContext(project=model.project, model=model.name, step=step, split=split, source="log"),
-        )
-        rewards = [t.reward for g in groups for t in g.trajectories]
-        metrics: dict[str, float] = {
-            "reward": sum(rewards) / max(1, len(rewards)),
-            "trajectories": float(len(rewards)),
-        }
-        for key in sorted({k for g in groups for t in g.trajectories for k in t.metrics}):
-            vals = [float(t.metrics[key]) for g in groups for t in g.trajectories if key in t.metrics]
-            metrics[key] = sum(vals) / len(vals)
-        s.store.append_history({"step": step, "split": split, **_prefixed(split, metrics)})
-        return metrics
+        """Record groups (an evaluation) and/or metrics without training: one history row."""
+        ...
 
-    def store(self, model: TrainableModel) -> RunStore:
-        return self.service(model).store
+    async def history(self, model: ModelConfig) -> list[dict[str, Any]]:
+        """Every history row of the run, oldest first."""
+        ...
+
+    async def pop_captures(
+        self, model: ModelConfig, capture_ids: Sequence[str]
+    ) -> dict[str, list[CapturedCall]]:
+        """Take the calls the endpoint filed under each capture id (each id once; unknown ids: [])."""
+        ...
+
+    async def serve_step(self, model: ModelConfig, step: int) -> None:
+        """Serve checkpoint `step` (0 = the base model) until the next train step or `serve_step`."""
+        ...
+
+    async def delete_checkpoints(
+        self, model: ModelConfig, best_checkpoint_metric: str = "val/reward"
+    ) -> list[int]:
+        """Keep the best checkpoint by `best_checkpoint_metric` and the latest; return the steps deleted."""
+        ...
+
+    def run_dir(self, model: ModelConfig) -> Path:
+        """Where the run lives on the backend's machine (checkpoints, trajectories, history)."""
+        ...
 
     def close(self) -> None:
-        for s in self._services.values():
-            _LOCAL_ENDPOINTS.pop(s.model.name, None)
-            s.server.stop()
-            s.engine.close()
-        self._services.clear()
+        """Stop serving and release engines, threads and processes."""
+        ...
 
-    async def __aenter__(self) -> LocalBackend:
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
+# The backend the latest `register` in this context used: `judge="local"` and other "the model I am
+# training" lookups find their endpoint through it. A ContextVar, so concurrent programs (tests, two
+# trainers in one process) each see their own.
+_current: ContextVar[Backend | None] = ContextVar("journeyman_backend", default=None)
+
+
+def set_current_backend(backend: Backend) -> None:
+    _current.set(backend)
+
+
+def current_backend(field: str = "backend") -> Backend:
+    """The backend of the latest `model.register(backend)` in this context."""
+    backend = _current.get()
+    if backend is None:
+        raise InvalidFieldError(field, None, "no model is registered in this context: register one first")
+    return backend
+
+
+__all__ = ["Backend", "Inference", "current_backend"]

@@ -29,6 +29,9 @@ class CapturedCall(BaseModel):
     request_messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     response: dict[str, Any] = Field(description="the chat.completion body, records included")
+    response_id: str | None = Field(
+        default=None, description="the Responses API id (`resp_...`) when the call came through /v1/responses"
+    )
 
 
 class Captures:
@@ -70,3 +73,6 @@ async def add_capture_header(request: Any) -> None:
     cid = _current.get()
     if cid is not None:
         request.headers[CAPTURE_HEADER] = cid
+
+
+__all__ = ["CAPTURE_HEADER", "CapturedCall", "add_capture_header", "capture_scope", "current_capture_id"]

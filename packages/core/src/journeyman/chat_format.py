@@ -11,7 +11,6 @@ Two jobs, one place:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import uuid
@@ -21,99 +20,15 @@ from importlib import resources
 from typing import Any
 
 from .errors import InvalidFieldError
+from .messages import assistant_key
 
 # How a forced tool call is framed (the template renders past calls the same way).
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 def builtin_template() -> str:
     return resources.files("journeyman").joinpath("templates/chatml_tools.jinja").read_text()
-
-
-def _text(content: Any, field: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts: keep the text ones
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
-                raise InvalidFieldError(f"{field}[{j}]", part, "only text content parts are supported")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
-    raise InvalidFieldError(field, content, "content must be a string or a list of text parts")
-
-
-def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Validate OpenAI chat messages and bring them to the one shape the template renders."""
-    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise InvalidFieldError("messages", messages, "must be a non-empty list of chat messages")
-    out: list[dict[str, Any]] = []
-    for i, raw in enumerate(messages):
-        m = raw.model_dump(exclude_none=True) if hasattr(raw, "model_dump") else raw
-        if not isinstance(m, dict):
-            raise InvalidFieldError(f"messages[{i}]", raw, "each message must be an object")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise InvalidFieldError(f"messages[{i}].role", role, f"must be one of {sorted(_ROLES)}")
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
-        msg["content"] = _text(m.get("content"), f"messages[{i}].content")
-        if role == "assistant":
-            calls = []
-            for j, call in enumerate(m.get("tool_calls") or []):
-                fn = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise InvalidFieldError(f"messages[{i}].tool_calls[{j}]", call, "needs function.name")
-                args = fn.get("arguments", "{}")
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args or "{}")
-                    except json.JSONDecodeError as e:
-                        raise InvalidFieldError(
-                            f"messages[{i}].tool_calls[{j}].function.arguments", args, f"not JSON: {e}"
-                        ) from e
-                calls.append(
-                    {
-                        "id": call.get("id"),
-                        "type": "function",
-                        "function": {"name": fn["name"], "arguments": args},
-                    }
-                )
-            if calls:
-                msg["tool_calls"] = calls
-        elif role == "tool" and "tool_call_id" in m:
-            msg["tool_call_id"] = m["tool_call_id"]
-        if role != "assistant" and "content" not in m:
-            raise InvalidFieldError(f"messages[{i}].content", None, f"a {role} message needs content")
-        out.append(msg)
-    return out
-
-
-def openai_message(m: dict[str, Any]) -> dict[str, Any]:
-    """Undo `normalize_messages` for tool calls: arguments back to a JSON string, as OpenAI sends them."""
-    if not m.get("tool_calls"):
-        return dict(m)
-    calls = []
-    for c in m["tool_calls"]:
-        fn = c["function"]
-        args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"])
-        calls.append({**c, "function": {"name": fn["name"], "arguments": args}})
-    return {**m, "tool_calls": calls}
-
-
-def assistant_key(content: str | None, tool_calls: Sequence[dict[str, Any]] | None) -> str:
-    """What identifies an assistant turn across frameworks: its text and calls, not call ids."""
-    calls = []
-    for call in tool_calls or []:
-        args = call["function"]["arguments"]
-        if isinstance(args, str):
-            with contextlib.suppress(json.JSONDecodeError):
-                args = json.loads(args or "{}")
-        calls.append([call["function"]["name"], args])
-    return json.dumps([(content or "").strip(), calls], sort_keys=True, ensure_ascii=False)
 
 
 class SampledTurns:

@@ -28,12 +28,13 @@ def chat(
     max_tokens: Annotated[int, typer.Option(help="most tokens to generate")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.7,
     show_tokens: Annotated[bool, typer.Option(help="print the recorded token ids and logprobs")] = False,
+    path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
 ) -> None:
     """Ask the model one question through its OpenAI-compatible endpoint, and show what was recorded."""
     import journeyman as jm
 
     async def run() -> None:
-        backend = jm.LocalBackend(path=Path(".journeyman"))
+        backend = jm.LocalBackend(path=path)
         model = jm.TrainableModel(name="chat", project="cli", base_model=base_model)
         typer.echo("loading the model...", err=True)
         await model.register(backend)
@@ -119,7 +120,9 @@ def report(
     run_dir: Annotated[
         Path, typer.Argument(help="a model's run directory (.journeyman/<project>/models/<name>)")
     ],
-    out: Annotated[Path | None, typer.Option(help="PNG to write (default: <run_dir>/reward.png)")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="PNG to write (default: <run_dir>/reward.png)")
+    ] = None,
     metric: Annotated[
         str, typer.Option(help="history metric to plot per split, e.g. reward or success (mcp-rl runs)")
     ] = "reward",
@@ -135,7 +138,7 @@ def report(
         )
         raise typer.Exit(2)
     history = RunStore(run_dir).history()
-    png = plot_history(history, out or run_dir / "reward.png", title=run_dir.name, metric=metric)
+    png = plot_history(history, output or run_dir / "reward.png", title=run_dir.name, metric=metric)
     steps = [r["step"] for r in history if "train/reward" in r]
     typer.echo(f"{len(steps)} training steps; plot: {png}")
 

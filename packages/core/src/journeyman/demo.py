@@ -11,12 +11,12 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from . import tasks
-from .backend import LocalBackend
+from .config import DEFAULT_BASE_MODEL, TrainConfig
 from .engine.vllm_server import VLLMConfig
 from .gather import gather_trajectory_groups
+from .local_backend import LocalBackend
 from .model import TrainableModel
 from .plot import plot_history
-from .train import TrainConfig
 from .types import TrajectoryGroup
 
 
@@ -77,7 +77,7 @@ async def run_demo(
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> DemoResult:
     backend = LocalBackend(path=path, engine=engine)
-    model = TrainableModel(name=name, project=project, **({"base_model": base_model} if base_model else {}))
+    model = TrainableModel(name=name, project=project, base_model=base_model or DEFAULT_BASE_MODEL)
     await model.register(backend)
     try:
         client = model.openai_client()
@@ -104,7 +104,7 @@ async def run_demo(
         await _log_eval(model, val_groups, after)
         run_dir = model.run_dir
         plot = plot_history(
-            backend.store(model).history(),
+            await model.history(),
             run_dir / "reward.png",
             title=f"{project}/{name}: short on-topic answers",
         )
@@ -114,11 +114,8 @@ async def run_demo(
 
 
 async def _log_eval(model: TrainableModel, groups: list[TrajectoryGroup], result: EvalResult) -> None:
-    await model.log(groups, split="val")
-    # the SEM goes into history too, so the plot can draw error bars
-    model.backend.store(model).append_history(
-        {"step": await model.get_step(), "split": "val", "val/reward_sem": result.sem}
-    )
+    # the SEM goes into the same history row, so the plot can draw error bars
+    await model.log(groups, split="val", metrics={"reward_sem": result.sem})
 
 
 def main_sync(**kwargs: object) -> DemoResult:

@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -25,11 +25,11 @@ from .chat_format import (
     TOOL_CALL_OPEN,
     ChatFormat,
     SampledTurns,
-    normalize_messages,
     parse_completion,
 )
 from .engine import Engine, Sample, SamplingParams
 from .errors import InvalidFieldError, UnknownModelError
+from .messages import normalize_messages
 from .openai_http import handle_json
 from .responses_api import add_routes as add_responses_routes
 from .types import TokenRecord
@@ -164,10 +164,13 @@ class Endpoint:
     def served_names(self) -> list[str]:
         return [self.model_name, f"{self.model_name}@{self.engine.step}"]
 
-    async def chat_completion(self, body: dict[str, Any], capture_id: str | None = None) -> dict[str, Any]:
+    async def chat_completion(
+        self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
+    ) -> dict[str, Any]:
+        """Serve one chat completion; `response_id` names the Responses API call it answers, if any."""
         req, params, messages, prompt_ids, spliced = self._prepare(body)
         samples = await self.engine.generate(prompt_ids, params)
-        return self._respond(req, params, messages, prompt_ids, spliced, samples, capture_id)
+        return self._respond(req, params, messages, prompt_ids, spliced, samples, capture_id, response_id)
 
     def _prepare(
         self, body: dict[str, Any]
@@ -194,6 +197,7 @@ class Endpoint:
         spliced: int,
         samples: list[Sample],
         capture_id: str | None,
+        response_id: str | None = None,
     ) -> dict[str, Any]:
         self.completions += 1
         name = f"{self.model_name}@{self.engine.step}"
@@ -238,7 +242,10 @@ class Endpoint:
         }
         if capture_id:
             self.captures.add(
-                capture_id, CapturedCall(request_messages=messages, tools=req.tools, response=response)
+                capture_id,
+                CapturedCall(
+                    request_messages=messages, tools=req.tools, response=response, response_id=response_id
+                ),
             )
         return response
 
@@ -300,7 +307,17 @@ def _chunks(response: dict[str, Any], include_usage: bool) -> AsyncIterator[str]
     return gen()
 
 
-def build_app(endpoint: Endpoint) -> FastAPI:
+class Served(Protocol):
+    """What the OpenAI routes need: one `Endpoint`, or a router over several (`journeyman serve`)."""
+
+    async def chat_completion(
+        self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
+    ) -> dict[str, Any]: ...
+
+    def served_names(self) -> list[str]: ...
+
+
+def build_app(endpoint: Served) -> FastAPI:
     app = FastAPI(title="Journeyman endpoint")
 
     @app.get("/v1/models")
@@ -320,10 +337,6 @@ def build_app(endpoint: Endpoint) -> FastAPI:
             return response
 
         return await handle_json(request, handle)
-
-    @app.get("/v1/journeyman/captures/{capture_id}")
-    async def captured(capture_id: str) -> dict[str, Any]:
-        return {"calls": [c.model_dump() for c in endpoint.captures.pop(capture_id)]}
 
     add_responses_routes(app, endpoint)  # POST /v1/responses, served through chat_completion
     return app

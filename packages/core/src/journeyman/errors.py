@@ -87,3 +87,14 @@ def _own(e: ValidationError) -> Exception:
         if isinstance(inner, JourneymanError):
             return inner
     return e
+
+
+__all__ = [
+    "BaseModelNotFoundError",
+    "EmptyGroupError",
+    "InvalidFieldError",
+    "JourneymanError",
+    "NoTrainableTokensError",
+    "TooManyExceptionsError",
+    "UnknownModelError",
+]

@@ -12,11 +12,9 @@ truncated importance sampling for engine/trainer mismatch (Yao et al. 2025), k3 
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-LossKind = Literal["ppo", "cispo", "gspo"]
+from .config import LossKind
 
 
 def group_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:

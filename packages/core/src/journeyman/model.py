@@ -2,34 +2,22 @@
 
 from __future__ import annotations
 
-import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from openai import AsyncOpenAI
-from pydantic import Field, PrivateAttr, field_validator
+from pydantic import PrivateAttr
 
-from .adapter import LoraConfig
+from .backend import Backend, Inference, set_current_backend
 from .capture import CapturedCall, add_capture_header, capture_scope
-from .errors import InvalidFieldError, JourneymanError, OwnErrorsModel
-from .weights import DEFAULT_BASE_MODEL
+from .config import ModelConfig, TrainConfig, TrainResult
+from .errors import InvalidFieldError, JourneymanError
+from .types import TrajectoryGroup
 
 if TYPE_CHECKING:
-    from .backend import LocalBackend
-    from .train import TrainConfig, TrainResult
-    from .types import TrajectoryGroup
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def check_name(field: str, value: str) -> str:
-    """Names become directories: refuse anything that could escape the run directory."""
-    if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
-        raise InvalidFieldError(field, value, "use letters, digits, '.', '_' and '-' (no '/', no '..')")
-    return value
+    from openai import AsyncOpenAI
 
 
 class Capture:
@@ -40,72 +28,94 @@ class Capture:
         self.calls: list[CapturedCall] = []
 
 
-class TrainableModel(OwnErrorsModel):
+class TrainableModel(ModelConfig):
     """A LoRA policy on `base_model`, served on an OpenAI-compatible endpoint once registered."""
 
-    name: str
-    project: str
-    base_model: str = Field(
-        DEFAULT_BASE_MODEL, description="embedded model name, local HF directory, or hub id"
-    )
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    max_tokens: int = Field(1024, ge=1, description="default max_tokens for requests that set none")
+    _backend: Backend | None = PrivateAttr(None)
 
-    _backend: LocalBackend | None = PrivateAttr(None)
-
-    @field_validator("name", "project")
-    @classmethod
-    def _safe(cls, v: str, info: Any) -> str:
-        return check_name(info.field_name, v)
-
-    async def register(self, backend: LocalBackend) -> None:
+    async def register(self, backend: Backend) -> None:
         """Load (or resume) this model on `backend` and start serving it."""
+        if not isinstance(backend, Backend):
+            raise InvalidFieldError(
+                "backend", backend, "expected a journeyman Backend (e.g. jm.LocalBackend())"
+            )
         await backend.register(self)
         self._backend = backend
+        set_current_backend(backend)
 
     @property
-    def backend(self) -> LocalBackend:
+    def backend(self) -> Backend:
         if self._backend is None:
             raise JourneymanError(
                 f"model {self.name!r} is not registered: call `await model.register(backend)` first"
             )
         return self._backend
 
+    def inference(self) -> Inference:
+        """Base URL, key and model name of this model's OpenAI-compatible endpoint."""
+        return self.backend.inference(self.name)
+
     @property
     def inference_base_url(self) -> str:
-        return self.backend.base_url(self)
+        return self.inference().base_url
 
     @property
     def inference_api_key(self) -> str:
-        return "journeyman"
+        return self.inference().api_key
 
     def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
         """An AsyncOpenAI client for this model's endpoint; requests inside `capture()` are tagged."""
+        from openai import AsyncOpenAI
+
+        where = self.inference()
         http = httpx.AsyncClient(event_hooks={"request": [add_capture_header]}, timeout=httpx.Timeout(600.0))
-        return AsyncOpenAI(
-            base_url=self.inference_base_url, api_key=self.inference_api_key, http_client=http, **kwargs
-        )
+        return AsyncOpenAI(base_url=where.base_url, api_key=where.api_key, http_client=http, **kwargs)
 
     async def get_step(self) -> int:
-        return self.backend.step(self)
+        return await self.backend.get_step(self)
 
     async def train(
-        self, groups: Sequence[TrajectoryGroup], config: TrainConfig | None = None
+        self,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        *,
+        idempotency_key: str | None = None,
     ) -> TrainResult:
-        """One GRPO-family step on `groups`; afterwards the endpoint serves the new step."""
-        return await self.backend.train(self, groups, config)
+        """One GRPO-family step on `groups`; afterwards the endpoint serves the new step.
 
-    async def log(self, groups: Sequence[TrajectoryGroup], split: str = "val") -> dict[str, float]:
-        """Record groups without training (evaluation): trajectories on disk, a history row."""
-        return await self.backend.log(self, groups, split)
+        `idempotency_key`: retrying a call with the same key never trains twice (a remote backend
+        makes one up per call when none is given)."""
+        return await self.backend.train(self, groups, config, idempotency_key=idempotency_key)
 
-    def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
+    async def log(
+        self,
+        groups: Sequence[TrajectoryGroup] | None = None,
+        split: str = "val",
+        metrics: Mapping[str, float] | None = None,
+    ) -> dict[str, float]:
+        """Record groups (an evaluation) and/or extra `metrics` without training: one history row."""
+        return await self.backend.log(self, groups, split, metrics)
+
+    async def history(self) -> list[dict[str, Any]]:
+        """The run's history rows (one per train step or log call), oldest first."""
+        return await self.backend.history(self)
+
+    async def serve_step(self, step: int) -> None:
+        """Serve checkpoint `step` (0 = the base model); serve the latest again before training."""
+        await self.backend.serve_step(self, step)
+
+    async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
         """Keep the best checkpoint by `best_checkpoint_metric` and the latest; return the steps deleted."""
-        return self.backend.store(self).delete_checkpoints(best_checkpoint_metric)
+        return await self.backend.delete_checkpoints(self, best_checkpoint_metric)
 
     @property
     def run_dir(self) -> Path:
-        return self.backend.model_dir(self)
+        """Where the run lives on the backend's machine."""
+        return self.backend.run_dir(self)
+
+    async def pop_captures(self, capture_ids: Sequence[str]) -> dict[str, list[CapturedCall]]:
+        """The calls the endpoint filed under each capture id (see `capture_scope`), taken off it."""
+        return await self.backend.pop_captures(self, capture_ids)
 
     @asynccontextmanager
     async def capture(self) -> AsyncIterator[Capture]:
@@ -115,4 +125,4 @@ class TrainableModel(OwnErrorsModel):
             try:
                 yield cap
             finally:
-                cap.calls = self.backend.pop_captures(self, cid)
+                cap.calls = (await self.pop_captures([cid]))[cid]

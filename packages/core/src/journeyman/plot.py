@@ -27,7 +27,7 @@ def plot_history(
             for r in history
             if r.get("split") == split and f"{split}/{metric}" in r
         ]
-        # the SEM may sit in its own history row of the same step (demo.evaluate writes it so)
+        # the SEM may sit in the same row or in a row of its own at the same step
         sems = {r["step"]: r[f"{split}/{metric}_sem"] for r in history if f"{split}/{metric}_sem" in r}
         errs = [sems.get(step, 0.0) for step, _ in pts]
         if pts:
@@ -43,3 +43,6 @@ def plot_history(
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+__all__ = ["plot_history"]

@@ -10,33 +10,38 @@ and `stream` (the finished response replayed as Responses stream events). Not su
 
 Going through `Endpoint.chat_completion` keeps one data path: the same splicing of sampled turns,
 the same `TokenRecord`, and the same capture filing under `x-journeyman-capture` (the filed
-response is the chat-completion form, whose id shares its hex with the Responses id:
-`chatcmpl-<hex>` <-> `resp_<hex>`). The response also carries the records in an extra field
+call carries the Responses id as `CapturedCall.response_id`). The response also carries the records in an extra field
 `journeyman` (a list, one per choice).
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from .chat_format import _text
 from .errors import InvalidFieldError
+from .messages import ROLES, text_of
 from .openai_http import handle_json
 
-if TYPE_CHECKING:
-    from .endpoint import Endpoint
 
-_MESSAGE_ROLES = {"system", "developer", "user", "assistant"}
+class ChatCompleter(Protocol):
+    """What the routes need of `endpoint.Endpoint` (named structurally: endpoint imports this module)."""
+
+    async def chat_completion(
+        self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
+    ) -> dict[str, Any]: ...
 
 
-def response_id_of(chat_completion_id: str) -> str:
-    """The Responses id for a chat completion id (same hex), so either side can find the other."""
-    return "resp_" + chat_completion_id.removeprefix("chatcmpl-")
+_MESSAGE_ROLES = ROLES - {"tool"}  # tool results arrive as function_call_output items
+
+
+def new_response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
 
 
 def _chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
@@ -100,7 +105,7 @@ def chat_messages(instructions: str | None, input: Any) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _MESSAGE_ROLES:
                 raise InvalidFieldError(f"input[{i}].role", role, f"must be one of {sorted(_MESSAGE_ROLES)}")
-            msg = {"role": role, "content": _text(item.get("content"), f"input[{i}].content")}
+            msg = {"role": role, "content": text_of(item.get("content"), f"input[{i}].content")}
             messages.append(msg)
             open_turn = msg if role == "assistant" else None
         elif kind == "function_call":
@@ -115,7 +120,7 @@ def chat_messages(instructions: str | None, input: Any) -> list[dict[str, Any]]:
             open_turn.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output")
-            content = output if isinstance(output, str) else _text(output, f"input[{i}].output")
+            content = output if isinstance(output, str) else text_of(output, f"input[{i}].output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
             open_turn = None
         elif kind == "reasoning":
@@ -154,11 +159,10 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def response_from_chat(completion: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+def response_from_chat(completion: dict[str, Any], body: dict[str, Any], rid: str) -> dict[str, Any]:
     """A Responses `response` object for a chat completion (its first choice)."""
     choice = completion["choices"][0]
     msg = choice["message"]
-    rid = response_id_of(completion["id"])
     hexid = rid.removeprefix("resp_")
     output: list[dict[str, Any]] = []
     if msg.get("content") or not msg.get("tool_calls"):
@@ -285,14 +289,15 @@ async def _sse(response: dict[str, Any]) -> AsyncIterator[str]:
         yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
 
 
-def add_routes(app: FastAPI, endpoint: Endpoint) -> None:
+def add_routes(app: FastAPI, endpoint: ChatCompleter) -> None:
     """Register `POST /v1/responses` on the endpoint's app."""
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:
         async def handle(body: dict[str, Any], capture_id: str | None) -> Any:
-            completion = await endpoint.chat_completion(chat_request(body), capture_id)
-            response = response_from_chat(completion, body)
+            rid = new_response_id()
+            completion = await endpoint.chat_completion(chat_request(body), capture_id, response_id=rid)
+            response = response_from_chat(completion, body, rid)
             if body.get("stream"):
                 return StreamingResponse(_sse(response), media_type="text/event-stream")
             return response
@@ -300,4 +305,4 @@ def add_routes(app: FastAPI, endpoint: Endpoint) -> None:
         return await handle_json(request, handle)
 
 
-__all__ = ["add_routes", "chat_messages", "chat_request", "response_from_chat", "response_id_of"]
+__all__ = ["add_routes", "chat_messages", "chat_request", "new_response_id", "response_from_chat"]

@@ -18,9 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .config import check_name
 from .errors import InvalidFieldError
-from .model import check_name
 from .types import TrajectoryGroup
+
+KEPT_REQUESTS = 64
 
 
 class RunStore:
@@ -29,16 +31,39 @@ class RunStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- state -------------------------------------------------------------------------------
-    def latest_step(self) -> int:
-        state = self.root / "state.json"
-        if not state.exists():
-            return 0
-        return int(json.loads(state.read_text())["step"])
+    def state(self) -> dict[str, Any]:
+        path = self.root / "state.json"
+        return json.loads(path.read_text()) if path.exists() else {"step": 0}
 
-    def write_state(self, step: int, **extra: Any) -> None:
+    def latest_step(self) -> int:
+        return int(self.state()["step"])
+
+    def write_state(self, step: int, request: tuple[str, dict[str, Any]] | None = None, **extra: Any) -> None:
+        """The run's commit point, written atomically (a kill never leaves half a state).
+
+        `request` = (idempotency key, result) of the train call this state completes: the last
+        `KEPT_REQUESTS` are kept, so a retry of any of them returns its result instead of training again.
+        """
+        requests: dict[str, Any] = dict(self.state().get("requests", {}))
+        if request is not None:
+            requests[request[0]] = request[1]
+            requests = dict(list(requests.items())[-KEPT_REQUESTS:])
         tmp = self.root / "state.json.tmp"
-        tmp.write_text(json.dumps({"step": step, **extra}))
-        os.replace(tmp, self.root / "state.json")  # atomic: a kill never leaves half a state
+        tmp.write_text(json.dumps({"step": step, **extra, "requests": requests}))
+        os.replace(tmp, self.root / "state.json")
+
+    def request_result(self, key: str) -> dict[str, Any] | None:
+        """The result of the train call with idempotency key `key`, if it completed."""
+        return self.state().get("requests", {}).get(key)
+
+    def mark_written(self, key: str) -> bool:
+        """Record that the groups of request `key` are on disk; False if they already were."""
+        marker = self.root / "requests" / f"{check_name('idempotency_key', key)}.written"
+        if marker.exists():
+            return False
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        return True
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 from pydantic import BaseModel
 
 from .model import TrainableModel
@@ -136,7 +137,10 @@ async def rollout(
     temperature: float = 1.0,
     seed: int | None = None,
 ) -> Trajectory:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": scenario.prompt}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": scenario.prompt},
+    ]
     completion = await client.chat.completions.create(
         model=model.name, messages=messages, max_tokens=max_tokens, temperature=temperature, seed=seed
     )
@@ -149,7 +153,7 @@ async def rollout(
     )
     r = reward(scenario, choice.message.content or "", n_tokens, max_tokens)
     return Trajectory(
-        messages_and_choices=[*messages, choice],
+        messages_and_choices=[*(dict(m) for m in messages), choice],  # TypedDicts -> plain messages
         reward=r,
         metrics={
             "completion_tokens": n_tokens,

@@ -1,10 +1,11 @@
 """Trajectories to training rows: exact sampled ids trained, everything else masked.
 
 A row is one token sequence. Consecutive calls of a history join one row when the later call's
-prompt starts with the row so far (the endpoint splices sampled turns, so a multi-turn tool run
-is one row); a call that does not extend it starts a new row. Additional histories are rows of
-their own. Histories with no token records (e.g. imported traces) are rendered with the chat
-template, their assistant turns trained as re-tokenised text (flagged, old logprobs unknown).
+prompt starts with the row so far (`histories.extends`, the rule that also joins captured calls
+into histories: the endpoint splices sampled turns, so a multi-turn tool run is one row); a call
+that does not extend it starts a new row. Additional histories are rows of their own. Histories
+with no token records (e.g. imported traces) are rendered with the chat template, their assistant
+turns trained as re-tokenised text (flagged, old logprobs unknown).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .chat_format import ChatFormat, normalize_messages
+from .chat_format import ChatFormat
 from .errors import NoTrainableTokensError
+from .histories import extends
+from .messages import normalize_messages
 from .types import History, TokenRecord, Trajectory
 
 NAN = math.nan
@@ -60,7 +63,7 @@ def _rows_from_records(records: list[TokenRecord]) -> list[Row]:
     row: Row | None = None
     for rec in records:
         prompt = rec.prompt_token_ids
-        if row is not None and prompt[: len(row.input_ids)] == row.input_ids:
+        if row is not None and extends(row.input_ids, prompt):
             row.extend(prompt[len(row.input_ids) :], trained=False)
         else:
             row = Row()

@@ -16,82 +16,19 @@ import ctypes
 import math
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field, model_validator
 from transformers import DynamicCache
 
-from .adapter import LoraPolicy
+from .adapter import LoraPolicy, cache_kv
 from .chat_format import ChatFormat
-from .errors import InvalidFieldError
-from .loss import LossKind, group_advantages, policy_loss, token_logprobs
+from .config import TrainConfig
+from .loss import group_advantages, policy_loss, token_logprobs
 from .tokenize import MIN_SHARED_PREFIX, Row, common_prefix_length, trajectory_rows
 from .types import TrajectoryGroup
-
-
-class TrainConfig(BaseModel):
-    """Settings of one training step. Every field says what it does and where it comes from."""
-
-    learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")
-    loss: LossKind = Field(
-        "ppo",
-        description="ppo: clipped surrogate (PPO/GRPO); cispo: clipped IS-weight REINFORCE (MiniMax-M1); gspo: sequence-level ratio (GSPO)",
-    )
-    eps: float = Field(0.2, gt=0, description="clip ε (lower side; both sides unless eps_high is set)")
-    eps_high: float | None = Field(
-        None,
-        gt=0,
-        description="upper clip ε ('clip-higher', DAPO); for CISPO the IS-weight cap is 1 + eps_high",
-    )
-    scale_rewards: bool = Field(
-        True, description="divide advantages by the group's reward std (GRPO); False = Dr. GRPO centring only"
-    )
-    tis_cap: float | None = Field(
-        None,
-        gt=0,
-        description="truncated importance sampling: ratio vs the trainer's own logprobs, weighted by min(π_trainer / π_engine, cap); None = ratio vs engine logprobs",
-    )
-    min_reward_spread: float = Field(
-        0.0,
-        ge=0,
-        description="drop a group whose rewards span less than this (max - min) as carrying no signal, as "
-        "DAPO's dynamic sampling drops all-right and all-wrong groups; 0 keeps any group whose rewards differ",
-    )
-    kl_coef: float = Field(
-        0.0,
-        ge=0,
-        description="β for the k3 KL to the base model (adapter disabled; no second model in memory)",
-    )
-    max_grad_norm: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
-    micro_batch_tokens: int = Field(
-        1024,
-        ge=64,
-        description="padded tokens per forward/backward; gradients accumulate across micro-batches (135M fp32: peak 4.2 GB at 1024, 5.9 GB at 4096, same speed on CPU)",
-    )
-    max_seq_len: int = Field(4096, ge=16, description="rows longer than this are cut (counted in metrics)")
-    autocast_bf16: bool = Field(
-        False, description="bf16 autocast for the forward pass (4x matmul rate on this CPU; logprobs drift)"
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> TrainConfig:
-        if self.loss == "gspo" and self.eps > 0.05:
-            # GSPO's ratio is a per-token geometric mean: the paper clips at ~3e-4 / 4e-4.
-            raise InvalidFieldError(
-                "eps", self.eps, "GSPO clips sequence ratios tightly: use eps around 3e-4 (eps_high 4e-4)"
-            )
-        return self
-
-
-class TrainResult(BaseModel):
-    step: int = Field(description="the policy step after this update")
-    metrics: dict[str, float] = Field(default_factory=dict)
-    skipped: bool = Field(False, description="True when no group carried any learning signal")
 
 
 def build_rows(
@@ -193,8 +130,15 @@ class GRPOTrainer:
             self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters())
             self.optimizer.load_state_dict(torch.load(file, map_location=self.policy.device))
 
-    def step(self, groups: Sequence[TrajectoryGroup], config: TrainConfig) -> tuple[bool, dict[str, float]]:
-        """One optimizer step. Returns (updated, metrics); updated is False when there was no signal."""
+    def step(
+        self,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> tuple[bool, dict[str, float]]:
+        """One optimizer step. Returns (updated, metrics); updated is False when there was no signal.
+
+        `on_progress(done, total)` is called after each micro-batch (from this thread)."""
         t0 = time.perf_counter()
         rows, metrics = build_rows(groups, self.chat_format, config)
         rewards = [t.reward for g in groups for t in g.trajectories]
@@ -211,8 +155,11 @@ class GRPOTrainer:
             opt.zero_grad(set_to_none=True)
             totals: dict[str, float] = {}
             padded = 0
-            for batch in micro_batches(rows, config.micro_batch_tokens, shared_prefix_length(rows)):
+            batches = list(micro_batches(rows, config.micro_batch_tokens, shared_prefix_length(rows)))
+            for i, batch in enumerate(batches):
                 out, n_pad = self._micro_step(batch, num_tokens, config)
+                if on_progress is not None:
+                    on_progress(i + 1, len(batches))
                 padded += n_pad
                 for k, v in out.items():
                     totals[k] = totals.get(k, 0.0) + v
@@ -324,8 +271,8 @@ class GRPOTrainer:
         prefix = DynamicCache()
         causal_lm.model(input_ids=ids[:1, :shared], past_key_values=prefix, use_cache=True)
         cache = DynamicCache()
-        for layer, kv in enumerate(prefix.layers):
-            cache.update(kv.keys.expand(b, -1, -1, -1), kv.values.expand(b, -1, -1, -1), layer)
+        for layer, (k, v) in enumerate(cache_kv(prefix)):
+            cache.update(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1), layer)
         positions = torch.arange(shared, ids.shape[1], device=ids.device)[None].expand(b, -1)
         hidden = causal_lm.model(
             input_ids=ids[:, shared:],

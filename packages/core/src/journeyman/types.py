@@ -13,8 +13,8 @@ from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .errors import EmptyGroupError, InvalidFieldError, OwnErrorsModel
+from .messages import Message, message_of_choice
 
-Message = dict[str, Any]
 MessageOrChoice = Message | Choice
 Tool = dict[str, Any]
 
@@ -29,7 +29,7 @@ class TokenRecord(BaseModel):
     step: int = Field(description="training step of the policy that sampled these tokens")
     finish_reason: Literal["stop", "length", "tool_calls"]
     spliced_turns: int = Field(
-        0, description="earlier assistant turns given to the engine as their sampled ids"
+        default=0, description="earlier assistant turns given to the engine as their sampled ids"
     )
 
 
@@ -75,9 +75,7 @@ class History(OwnErrorsModel):
         out = []
         for item in self.messages_and_choices:
             if isinstance(item, Choice):
-                out.append(
-                    item.message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"})
-                )
+                out.append(message_of_choice(item))
             else:
                 out.append(item)
         return out
@@ -177,3 +175,14 @@ class RolloutException(BaseModel):
 
 
 TrajectoryGroup.model_rebuild()
+
+__all__ = [
+    "History",
+    "MessageOrChoice",
+    "RolloutException",
+    "TokenRecord",
+    "Tool",
+    "Trajectory",
+    "TrajectoryGroup",
+    "record_of",
+]

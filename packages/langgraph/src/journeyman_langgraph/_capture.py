@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import httpx
-from journeyman.capture import CAPTURE_HEADER, CapturedCall
+from journeyman import CAPTURE_HEADER, CapturedCall
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook
@@ -86,22 +86,10 @@ class Episode:
                 run.requests += 1
             return req.capture_id
 
-    def pop_calls(self) -> list[tuple[Request, CapturedCall]]:
-        """Take this episode's calls off the endpoint, in request order (one per request)."""
-        out: list[tuple[Request, CapturedCall]] = []
-        for req in self.requests:
-            calls = _pop(self.model, self.base_url, req.capture_id)
-            out.extend((req, c) for c in calls)
-        return out
-
-
-def _pop(model: TrainableModel, base_url: str, capture_id: str) -> list[CapturedCall]:
-    pop = getattr(model.backend, "pop_captures", None)
-    if pop is not None:  # in-process backend: no HTTP round trip
-        return list(pop(model, capture_id))
-    r = httpx.get(f"{base_url}/journeyman/captures/{capture_id}", timeout=60)
-    r.raise_for_status()
-    return [CapturedCall.model_validate(c) for c in r.json()["calls"]]
+    async def pop_calls(self) -> list[tuple[Request, CapturedCall]]:
+        """Take this episode's calls off the endpoint (one round trip), in request order."""
+        filed = await self.model.pop_captures([req.capture_id for req in self.requests])
+        return [(req, c) for req in self.requests for c in filed[req.capture_id]]
 
 
 def current_episode() -> Episode | None:
@@ -121,11 +109,27 @@ class EpisodeHandler(BaseCallbackHandler):
 
     run_inline = True  # same context as the call: the HTTP hook then sees `_llm_run`
     raise_error = True
-    ignore_chain = True
-    ignore_agent = True
-    ignore_retriever = True
-    ignore_retry = True
-    ignore_custom_event = True
+
+    # Only chat-model events matter; BaseCallbackHandler declares these switches as properties.
+    @property
+    def ignore_chain(self) -> bool:
+        return True
+
+    @property
+    def ignore_agent(self) -> bool:
+        return True
+
+    @property
+    def ignore_retriever(self) -> bool:
+        return True
+
+    @property
+    def ignore_retry(self) -> bool:
+        return True
+
+    @property
+    def ignore_custom_event(self) -> bool:
+        return True
 
     def __init__(self, episode: Episode) -> None:
         self.episode = episode

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 from journeyman import InvalidFieldError, TrainableModel
 from langchain_openai import ChatOpenAI
+from pydantic import SecretStr
 
 from ._capture import async_hook, current_episode, sync_hook
 from ._decorators import trainable
@@ -53,7 +54,7 @@ def chat_model(model: TrainableModel, **kwargs: Any) -> ChatOpenAI:
     return ChatOpenAI(
         model=model.name,
         base_url=model.inference_base_url,
-        api_key=model.inference_api_key,
+        api_key=SecretStr(model.inference_api_key),
         http_client=sync_client,
         http_async_client=async_client,
         use_responses_api=False,

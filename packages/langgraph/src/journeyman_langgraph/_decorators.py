@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar, overload
 
 from journeyman import InvalidFieldError, TrainableModel, Trajectory
+from journeyman.histories import histories_of
 from langchain_core.language_models import BaseChatModel
 from langchain_core.runnables import Runnable, RunnableBinding
 
 from . import _capture as cap
-from ._build import histories
 
 log = logging.getLogger("journeyman.langgraph")
 
@@ -61,9 +63,9 @@ class _EpisodeScope:
         cap._handler.reset(h_t)
         cap._episode.reset(ep_t)
 
-    def finish(self, result: Any) -> Trajectory:
+    async def finish(self, result: Any) -> Trajectory:
         ep = self.episode
-        calls = _latest_per_run(ep.pop_calls())
+        calls = _latest_per_run(await ep.pop_calls())
         t = ep.trajectory
         if isinstance(result, Trajectory):  # ART style: the function built the Trajectory itself
             if result.messages_and_choices:
@@ -80,7 +82,7 @@ class _EpisodeScope:
         else:
             t.reward, metrics = _reward(result, self.name)
             t.metrics = {**t.metrics, **metrics}
-        hs = histories([c for _, c in calls])
+        hs = histories_of([c for _, c in calls])  # one partition: the policy's calls join across nodes
         if hs:
             t.messages_and_choices = hs[0].messages_and_choices
             t.tools = hs[0].tools
@@ -99,9 +101,20 @@ class _EpisodeScope:
             log.warning("%s: %s", self.name, line)
         return t
 
-    def discard(self) -> None:
+    async def discard(self) -> None:
         """The episode raised: free what the endpoint filed for it."""
-        self.episode.pop_calls()
+        await self.episode.pop_calls()
+
+
+def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Finish an episode from a sync `@trajectory` function: on this thread when no event loop runs
+    here, else on a worker thread (a sync graph called from async code)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def _latest_per_run(calls: list[tuple[cap.Request, Any]]) -> list[tuple[cap.Request, Any]]:
@@ -147,9 +160,9 @@ def trajectory(model: TrainableModel) -> Callable[[Callable[P, Any]], Callable[P
                     with scope:
                         result = await fn(*args, **kwargs)
                 except BaseException:
-                    scope.discard()
+                    await scope.discard()
                     raise
-                return scope.finish(result)
+                return await scope.finish(result)
 
             return arun
 
@@ -160,9 +173,9 @@ def trajectory(model: TrainableModel) -> Callable[[Callable[P, Any]], Callable[P
                 with scope:
                     result = fn(*args, **kwargs)
             except BaseException:
-                scope.discard()
+                _run_sync(scope.discard())
                 raise
-            return scope.finish(result)
+            return _run_sync(scope.finish(result))
 
         return run
 

@@ -9,10 +9,16 @@ mcp-rl eval http://127.0.0.1:8000/mcp --step 3
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+
+if TYPE_CHECKING:  # imported lazily at run time: `--help` stays fast
+    from .train import McpRlSettings
+
+T = TypeVar("T")
 
 app = typer.Typer(
     help="MCP·RL: train a model to use any MCP server's tools (scenarios, rollouts, RULER, GRPO).",
@@ -28,9 +34,14 @@ Server = Annotated[
         show_default=False,
     ),
 ]
-Out = Annotated[Path, typer.Option(help="backend directory; the run is <out>/<project>/models/<model>")]
+RunRoot = Annotated[
+    Path,
+    typer.Option(
+        "--path", help="run root (as LocalBackend(path=...)); the run is <path>/<project>/models/<model>"
+    ),
+]
 ModelName = Annotated[str, typer.Option("--model", help="name of the trained model (its run directory)")]
-Project = Annotated[str, typer.Option(help="project name (a directory under --out)")]
+Project = Annotated[str, typer.Option(help="project name (a directory under --path)")]
 BaseModel_ = Annotated[
     str | None,
     typer.Option(
@@ -73,7 +84,7 @@ MaxArgChars = Annotated[
 Seed = Annotated[int, typer.Option(help="seed for scenario generation, split and sampling order")]
 
 
-def _settings(server: list[str], **kw: object):  # -> McpRlSettings (imported lazily: --help stays fast)
+def _settings(server: list[str], **kw: Any) -> McpRlSettings:  # typer has checked each value's type
     from .rollout import RolloutConfig
     from .server import ServerSpec
     from .train import McpRlSettings
@@ -89,7 +100,7 @@ def _settings(server: list[str], **kw: object):  # -> McpRlSettings (imported la
     )
 
 
-def _run(coro_fn, *args: object) -> object:
+def _run(coro_fn: Callable[..., Coroutine[Any, Any, T]], *args: object) -> T:
     """Run, turning the errors a user can fix into one clear line and exit code 1 (no traceback)."""
     from journeyman.errors import JourneymanError
 
@@ -158,7 +169,7 @@ def train(
         float, typer.Option(help="failed rollouts tolerated per step (count, or fraction < 1)")
     ] = 0.25,
     engine: Engine = "torch",
-    out: Out = Path(".journeyman"),
+    path: RunRoot = Path(".journeyman"),
     seed: Seed = 0,
 ) -> None:
     """Generate scenarios, evaluate, train with RULER + GRPO, evaluate again; print a before/after table."""
@@ -194,15 +205,15 @@ def train(
         max_arg_chars=max_arg_chars,
         max_exceptions=max_exceptions,
         engine=engine,
-        out=out,
+        path=path,
         seed=seed,
     )
     report = _run(run_train, settings, _echo)
-    typer.echo(report.table())  # type: ignore[attr-defined]
-    typer.echo(f"run directory: {report.run_dir}")  # type: ignore[attr-defined]
-    typer.echo(f"checkpoints:   {report.run_dir / 'checkpoints'}")  # type: ignore[attr-defined]
-    typer.echo(f"reward curve:  {report.plot}")  # type: ignore[attr-defined]
-    typer.echo(f"scenarios:     {report.scenarios_file}")  # type: ignore[attr-defined]
+    typer.echo(report.table())
+    typer.echo(f"run directory: {report.run_dir}")
+    typer.echo(f"checkpoints:   {report.run_dir / 'checkpoints'}")
+    typer.echo(f"reward curve:  {report.plot}")
+    typer.echo(f"scenarios:     {report.scenarios_file}")
 
 
 @app.command()
@@ -247,7 +258,7 @@ def scenarios(
                 m = jm.TrainableModel(
                     name="mcp-rl-generator",
                     project="mcp-rl",
-                    **({"base_model": base_model} if base_model else {}),
+                    base_model=base_model or jm.DEFAULT_BASE_MODEL,
                 )
                 _echo("loading the generator model...")
                 await m.register(backend)
@@ -268,8 +279,8 @@ def scenarios(
             await pool.__aexit__(None, None, None)
 
     sset = _run(go)
-    sset.save(output)  # type: ignore[attr-defined]
-    for split_name, items in (("train", sset.train), ("eval", sset.eval)):  # type: ignore[attr-defined]
+    sset.save(output)
+    for split_name, items in (("train", sset.train), ("eval", sset.eval)):
         for s in items:
             typer.echo(f"[{split_name}] d{s.difficulty} {','.join(s.tools):<20} {s.task}")
     typer.echo(f"saved to {output}")
@@ -292,7 +303,7 @@ def eval_(
     connections: Connections = None,
     max_arg_chars: MaxArgChars = 64,
     engine: Engine = "torch",
-    out: Out = Path(".journeyman"),
+    path: RunRoot = Path(".journeyman"),
 ) -> None:
     """Evaluate a checkpoint of a trained run on its held-out scenarios."""
     from .train import TrainReport, eval_step
@@ -310,10 +321,10 @@ def eval_(
         connections=connections,
         max_arg_chars=max_arg_chars,
         engine=engine,
-        out=out,
+        path=path,
     )
     summary = _run(eval_step, settings, step, _echo)
-    typer.echo(TrainReport(run_dir=out, scenarios_file=out, evals=[summary], steps=[]).table())  # type: ignore[list-item]
+    typer.echo(TrainReport(run_dir=path, scenarios_file=path, evals=[summary], steps=[]).table())
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ still ranks the group.
 
 from __future__ import annotations
 
-from journeyman.ruler import ruler_score_group
-from journeyman.types import TrajectoryGroup
+from journeyman import Backend, TrajectoryGroup
+from journeyman.llm import LLMSpec
+from journeyman.ruler import RulerConfig, ruler_score_group
 
 RUBRIC = """\
 - The agent was given a task and the tools of an MCP server. A trajectory that gets the task done \
@@ -19,17 +20,25 @@ with the right tools and correct arguments, and reports the real result, scores 
 scores low. A trajectory that never calls a useful tool scores lowest.
 - Among trajectories that succeed, fewer needless calls and a clear final summary score higher."""
 
+JUDGE_CONFIG = RulerConfig(explanation_chars=24, max_tool_output_chars=400)
+"""RULER settings for MCP groups: short answers, so a small local judge keeps up with the rollouts."""
+
 
 async def score_group(
     group: TrajectoryGroup,
     *,
-    judge: str | None = "local",
+    judge: LLMSpec | None = "local",
     judge_model: str | None = None,
     rubric: str = RUBRIC,
-    explanation_chars: int = 24,
-    max_tool_output_chars: int = 400,
+    config: RulerConfig | None = None,
+    backend: Backend | None = None,
 ) -> TrajectoryGroup:
-    """RULER over the group (unless `judge` is None/"none"), added to each rollout's own reward."""
+    """RULER over the group (unless `judge` is None/"none"), added to each rollout's own reward.
+
+    judge / judge_model: see `journeyman.llm` ("local", "local:<name>", a model, a base URL + model
+    name, a LiteLLM id). `config` defaults to `JUDGE_CONFIG`: short explanations and tool results,
+    so that a small local judge stays fast.
+    """
     if not group.trajectories:
         return group
     if judge in (None, "none"):
@@ -37,14 +46,11 @@ async def score_group(
             t.metrics["independent_reward"] = t.reward
         return group
     own = [t.reward for t in group.trajectories]
+    cfg = (config or JUDGE_CONFIG).with_options(
+        **({"judge_model": judge_model} if judge_model is not None else {})
+    )
     scored = await ruler_score_group(
-        group,
-        judge=judge,
-        judge_model=judge_model,
-        rubric=rubric,
-        swallow_exceptions=True,
-        explanation_chars=explanation_chars,
-        max_tool_output_chars=max_tool_output_chars,
+        group, judge, rubric, swallow_exceptions=True, config=cfg, backend=backend
     )
     skipped = bool(scored.metadata.get("ruler", {}).get("skipped"))
     for t, base in zip(scored.trajectories, own, strict=True):

@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 import journeyman as jm
+from journeyman.messages import message_of_choice
 from openai import AsyncOpenAI, BadRequestError
 from pydantic import BaseModel, Field
 
@@ -48,22 +49,26 @@ def system_prompt(info: ServerInfo) -> str:
 
 class RolloutConfig(BaseModel):
     length_penalty: float = Field(
-        0.02,
+        default=0.02,
         ge=0,
         description="minus this x the mean fraction of max_tokens each turn used: concise turns win ties, "
         "so a group whose rollouts all succeed (or all fail) still carries a signal",
     )
-    max_turns: int = Field(3, ge=1, description="model turns per episode")
+    max_turns: int = Field(default=3, ge=1, description="model turns per episode")
     forced_turns: int = Field(
-        1, ge=0, description="first turns that must be a tool call (tool_choice=required)"
+        default=1, ge=0, description="first turns that must be a tool call (tool_choice=required)"
     )
-    max_tokens: int = Field(96, ge=8, description="max_tokens per model turn")
-    temperature: float = Field(1.0, ge=0, le=2)
-    tool_timeout: float = Field(30.0, gt=0, description="seconds per tool call")
-    tool_result_chars: int = Field(1200, ge=50, description="longer tool results are cut for the model")
-    shaping: float = Field(0.1, ge=0, description="weight of the valid-tool-call fraction in the reward")
+    max_tokens: int = Field(default=96, ge=8, description="max_tokens per model turn")
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    tool_timeout: float = Field(default=30.0, gt=0, description="seconds per tool call")
+    tool_result_chars: int = Field(
+        default=1200, ge=50, description="longer tool results are cut for the model"
+    )
+    shaping: float = Field(
+        default=0.1, ge=0, description="weight of the valid-tool-call fraction in the reward"
+    )
     check_weight: float = Field(
-        1.0, ge=0, description="weight of end-state checks (scenarios that have them)"
+        default=1.0, ge=0, description="weight of end-state checks (scenarios that have them)"
     )
 
 
@@ -141,13 +146,15 @@ async def rollout(
         record = jm.record_of(choice)
         used += len(record.token_ids) / cfg.max_tokens if record else 1.0
         traj.messages_and_choices.append(choice)
-        msg = choice.message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"})
+        msg = message_of_choice(choice)
         messages.append(msg)
         calls = choice.message.tool_calls or []
         if not calls:
             break
         done = False
         for call in calls:
+            if call.type != "function":  # only function tools are offered: the endpoint emits no other kind
+                raise TypeError(f"unexpected {call.type!r} tool call {call.id!r}")
             fn = call.function
             try:
                 args = json.loads(fn.arguments or "{}")

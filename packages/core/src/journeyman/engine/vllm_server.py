@@ -43,48 +43,51 @@ class VLLMConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     python: str | None = Field(
-        None,
+        default=None,
         description="interpreter that runs vLLM (vLLM pins its own torch: a separate venv is normal). "
         "Default: this interpreter if it can import vllm, else the environment built by "
         "`python -m journeyman.engine.vllm_env` ($JOURNEYMAN_VLLM_ENV).",
     )
     gpu_memory_utilization: float = Field(
-        0.5,
+        default=0.5,
         gt=0.0,
         le=1.0,
         description="fraction of GPU memory vLLM may take (CUDA). The trainer shares the GPU: vLLM sleeps "
         "during each training step, but the trainer's own weights stay resident.",
     )
-    max_model_len: int = Field(4096, ge=16, description="prompt + completion tokens per sequence")
+    max_model_len: int = Field(default=4096, ge=16, description="prompt + completion tokens per sequence")
     dtype: str | None = Field(
-        None, description="vLLM --dtype; default: the backend's dtype (float32 on CPU: bf16 logprobs drift)"
+        default=None,
+        description="vLLM --dtype; default: the backend's dtype (float32 on CPU: bf16 logprobs drift)",
     )
     max_loras: int = Field(
-        2, ge=1, description="adapters resident at once (the newest step and the one before)"
+        default=2, ge=1, description="adapters resident at once (the newest step and the one before)"
     )
     max_lora_rank: int | None = Field(
-        None, description="default: the model's LoRA rank, rounded up to one vLLM accepts"
+        default=None, description="default: the model's LoRA rank, rounded up to one vLLM accepts"
     )
     lora_target_modules: list[str] | None = Field(
-        None,
+        default=None,
         description="module suffixes vLLM applies LoRA to (--lora-target-modules). Default: every linear "
         "layer of the checkpoint except the embeddings and lm_head, which is what PEFT's 'all-linear' trains",
     )
     sleep_mode: bool | None = Field(
-        None,
+        default=None,
         description="sleep during training steps to free the GPU for the trainer. Default: on when CUDA is "
         "available; vLLM does not support sleep on CPU.",
     )
     cpu_kvcache_gb: float = Field(
-        2.0, gt=0.0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB"
+        default=2.0, gt=0.0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB"
     )
     startup_timeout_s: float = Field(
-        600.0, gt=0.0, description="how long to wait for the server to become healthy"
+        default=600.0, gt=0.0, description="how long to wait for the server to become healthy"
     )
-    request_timeout_s: float = Field(900.0, gt=0.0, description="per-request HTTP timeout")
+    request_timeout_s: float = Field(default=900.0, gt=0.0, description="per-request HTTP timeout")
     extra_args: list[str] = Field(default_factory=list, description="more `api_server` flags, appended last")
     env: dict[str, str] = Field(default_factory=dict, description="more environment variables for the server")
-    log_file: str | None = Field(None, description="where the server's output goes; default: a temp file")
+    log_file: str | None = Field(
+        default=None, description="where the server's output goes; default: a temp file"
+    )
 
 
 class VLLMStartError(JourneymanError, RuntimeError):
@@ -104,9 +107,11 @@ def resolve_python(config: VLLMConfig) -> str:
     raise InvalidFieldError(
         "python",
         None,
-        "this interpreter cannot import vllm and no vLLM environment is provisioned; "
+        "this interpreter cannot import vllm and no vLLM environment is provisioned. On the CPU, "
         + vllm_env.provision_hint()
-        + ' (on CUDA: pip install "journeyman[vllm]" or point VLLMConfig.python at a venv with vllm)',
+        # No `journeyman[vllm]` extra: vLLM pins its own torch, so it gets an environment of its own.
+        + ". On CUDA: python3 -m venv VENV && VENV/bin/pip install vllm, then "
+        'VLLMConfig(python="VENV/bin/python")',
     )
 
 

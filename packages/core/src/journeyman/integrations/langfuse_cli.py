@@ -101,8 +101,9 @@ def _print_summary(review: ReviewSet) -> None:
 @app.command()
 def pull(
     score: Score,
-    out: Annotated[
-        Path, typer.Option(help="where to write the groups (one TrajectoryGroup JSON per line)")
+    output: Annotated[
+        Path,
+        typer.Option("--output", "-o", help="where to write the groups (one TrajectoryGroup JSON per line)"),
     ] = Path("review.jsonl"),
     combine: Combine = "mean",
     tag: Tag = None,
@@ -125,12 +126,12 @@ def pull(
         queue_id=queue_id, group_by=group_by, min_group_size=min_group_size, generation_name=generation_name,
         limit=limit, public_key=public_key, secret_key=secret_key, host=host,
     )  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.open("w") as f:
         for g in review.groups:
             f.write(g.model_dump_json() + "\n")
     _print_summary(review)
-    typer.echo(f"wrote {out}")
+    typer.echo(f"wrote {output}")
 
 
 @app.command()
@@ -216,12 +217,12 @@ async def _train(
     path: Path,
     learning_rate: float,
 ) -> Any:
-    from ..backend import LocalBackend
+    from ..config import DEFAULT_BASE_MODEL, TrainConfig
+    from ..local_backend import LocalBackend
     from ..model import TrainableModel
-    from ..train import TrainConfig
 
     backend = LocalBackend(path=path)
-    model = TrainableModel(name=name, project=project, **({"base_model": base_model} if base_model else {}))
+    model = TrainableModel(name=name, project=project, base_model=base_model or DEFAULT_BASE_MODEL)
     typer.echo("loading the model...", err=True)
     await model.register(backend)
     try:

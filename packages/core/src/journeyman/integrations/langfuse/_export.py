@@ -43,11 +43,13 @@ log = logging.getLogger("journeyman.langfuse")
 class ExportStats(BaseModel):
     """What the exporter did so far."""
 
-    exported: int = Field(0, description="trajectories delivered as traces (with their reward score)")
+    exported: int = Field(default=0, description="trajectories delivered as traces (with their reward score)")
     dropped: dict[str, int] = Field(default_factory=dict, description="trajectories dropped, by reason")
-    skipped: int = Field(0, description="trajectories already in Langfuse (exported before or imported)")
-    queued: int = Field(0, description="waiting in the queue")
-    held: int = Field(0, description="gathered, waiting briefly for train/log to add the run context")
+    skipped: int = Field(
+        default=0, description="trajectories already in Langfuse (exported before or imported)"
+    )
+    queued: int = Field(default=0, description="waiting in the queue")
+    held: int = Field(default=0, description="gathered, waiting briefly for train/log to add the run context")
 
     @property
     def dropped_total(self) -> int:

@@ -27,8 +27,11 @@ from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, Field, ValidationError
 from tqdm.auto import tqdm
 
+from ...capture import CapturedCall
 from ...errors import InvalidFieldError
-from ...types import History, Message, Trajectory, TrajectoryGroup
+from ...histories import join_calls, trajectory_of
+from ...messages import ROLES, Message, text_of
+from ...types import History, Trajectory, TrajectoryGroup
 from . import _wire
 from ._client import credentials, read_api
 
@@ -42,7 +45,6 @@ log = logging.getLogger("journeyman.langfuse")
 
 OBSERVATION_FIELDS = "core,basic,io,metadata,model,usage,trace_context"
 SCORE_FIELDS = "details,subject,annotation"
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 class ReviewScore(BaseModel):
@@ -248,7 +250,7 @@ def _ours(observations: list[Any], reward: float) -> Trajectory | None:
             k += 1
         histories.append(History(messages_and_choices=items, tools=layout.tools, trainable=layout.trainable))
     main = histories[0]
-    return Trajectory(
+    trajectory = Trajectory(
         messages_and_choices=main.messages_and_choices,
         tools=main.tools,
         reward=reward,
@@ -256,8 +258,10 @@ def _ours(observations: list[Any], reward: float) -> Trajectory | None:
         metadata={**payload.metadata, "retokenized": not exact},
         logs=payload.logs,
         additional_histories=histories[1:],
-        **({"start_time": payload.start_time} if payload.start_time else {}),
     )
+    if payload.start_time:
+        trajectory.start_time = payload.start_time
+    return trajectory
 
 
 def _tool_calls(calls: Any) -> list[dict[str, Any]]:
@@ -281,9 +285,10 @@ def _tool_calls(calls: Any) -> list[dict[str, Any]]:
 
 
 def _message(m: Any) -> Message | None:
-    if not isinstance(m, dict) or m.get("role") not in _ROLES:
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
         return None
-    out: Message = {"role": m["role"], "content": m.get("content") if m.get("content") is not None else ""}
+    # text only (content parts joined): an image cannot be trained on by a text model (trace unreadable)
+    out: Message = {"role": m["role"], "content": text_of(m.get("content"))}
     if m["role"] == "assistant" and m.get("tool_calls"):
         out["tool_calls"] = _tool_calls(m["tool_calls"])
     if m["role"] == "tool" and m.get("tool_call_id"):
@@ -323,37 +328,28 @@ def _reply(value: Any) -> Message | None:
 
 
 def _foreign(observations: list[Any], reward: float, generation_name: str | None) -> Trajectory | None:
-    """Rebuild from generation messages: a call that extends an earlier one continues its history."""
+    """Rebuild from generation messages, joined into histories by their messages (no token records)."""
     gens = [
         o
         for o in observations
         if str(o.type).upper() == "GENERATION" and (generation_name is None or o.name == generation_name)
     ]
-    conversations: list[tuple[list[Message], list[dict[str, Any]] | None]] = []
+    calls: list[CapturedCall] = []
     for g in sorted(gens, key=lambda o: o.start_time):
         request, reply = _request(g.input), _reply(g.output)
         if request is None or reply is None:
             continue
         messages, tools = request
-        conv = [*messages, reply]
-        for i, (prev, prev_tools) in enumerate(conversations):
-            if conv[: len(prev)] == prev:
-                conversations[i] = (conv, tools or prev_tools)
-                break
-        else:
-            conversations.append((conv, tools))
-    if not conversations:
+        finish = "tool_calls" if reply.get("tool_calls") else "stop"
+        choice = {"index": 0, "finish_reason": finish, "message": reply, "logprobs": None}
+        calls.append(
+            CapturedCall(
+                request_messages=messages, tools=tools, response={"choices": [choice]}, response_id=None
+            )
+        )
+    if not calls:
         return None
-    main = max(range(len(conversations)), key=lambda i: len(conversations[i][0]))
-    extra = [History(messages_and_choices=c, tools=t) for i, (c, t) in enumerate(conversations) if i != main]
-    messages, tools = conversations[main]
-    return Trajectory(
-        messages_and_choices=messages,
-        tools=tools,
-        reward=reward,
-        metadata={"retokenized": True},
-        additional_histories=extra,
-    )
+    return trajectory_of(join_calls(calls, exact=False), reward=reward, metadata={"retokenized": True})
 
 
 # -- the fetch -------------------------------------------------------------------------------------

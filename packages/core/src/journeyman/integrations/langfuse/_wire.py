@@ -22,7 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from ...types import History, Message, TokenRecord, Tool, Trajectory, record_of
+from ...messages import Message
+from ...types import History, TokenRecord, Tool, Trajectory, record_of
 
 SCHEMA_VERSION = 1
 META_KEY = "journeyman"  # the metadata key of both payloads (asked for unabridged on import)

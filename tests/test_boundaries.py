@@ -1,0 +1,322 @@
+"""Import boundaries of the workspace, read from the source trees with `ast` (nothing is imported).
+
+- Adapters use only core's public surface: names in `journeyman.__all__`, or in the `__all__` of a
+  core module whose dotted path has no `_`-prefixed part (a module without `__all__` exports nothing).
+- Core never imports an adapter; adapters never import each other.
+- Core's modules form no import cycle, counting imports under `if TYPE_CHECKING:` and inside
+  functions: such a cycle works today only because of where the import sits, and turns into an
+  ImportError (or a half-initialised module) the day someone moves it.
+
+A module's parent packages are not counted as its imports (Python runs them first, but every module
+would then "import" `journeyman/__init__.py`); an explicit `from journeyman import X` inside core is.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = "journeyman"
+SOURCES = {
+    "journeyman": ROOT / "packages" / "core" / "src" / "journeyman",
+    "journeyman_langgraph": ROOT / "packages" / "langgraph" / "src" / "journeyman_langgraph",
+    "journeyman_mcp": ROOT / "packages" / "mcp" / "src" / "journeyman_mcp",
+    "journeyman_agents": ROOT / "packages" / "agents-sdk" / "src" / "journeyman_agents",
+}
+ADAPTERS = sorted(set(SOURCES) - {CORE})
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    tree: ast.Module
+
+    def where(self, line: int) -> str:
+        return f"{self.path.relative_to(ROOT)}:{line}"
+
+
+@dataclass(frozen=True)
+class Import:
+    """One imported module: `import M [as alias]` (names == ()) or `from M import names`."""
+
+    module: str  # absolute, relative imports resolved
+    names: tuple[str, ...]
+    alias: str | None  # the local name `import M as alias` binds
+    line: int
+    context: str  # "top" | "function" | "TYPE_CHECKING"
+
+
+@cache
+def modules(top: str) -> dict[str, Module]:
+    root = SOURCES[top]
+    assert (root / "__init__.py").is_file(), f"source tree moved: {root}"
+    found: dict[str, Module] = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts.pop()
+        name = ".".join(parts)
+        if name in found and found[name].is_package:
+            continue  # `x/__init__.py` wins over `x.py`, as Python's finder does
+        found[name] = Module(name, path, is_package, ast.parse(path.read_text(), str(path)))
+    return found
+
+
+def all_modules() -> dict[str, Module]:
+    return {name: mod for top in SOURCES for name, mod in modules(top).items()}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports(mod: Module) -> Iterator[Import]:
+    """Every import statement in the module, wherever it sits."""
+
+    def resolve(node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        package = mod.name.split(".") if mod.is_package else mod.name.split(".")[:-1]
+        base = package[: len(package) - (node.level - 1)]
+        return ".".join([*base, *([node.module] if node.module else [])])
+
+    def visit(node: ast.AST, context: str) -> Iterator[Import]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                for a in child.names:
+                    yield Import(a.name, (), a.asname, child.lineno, context)
+            elif isinstance(child, ast.ImportFrom):
+                names = tuple(a.name for a in child.names)
+                yield Import(resolve(child), names, None, child.lineno, context)
+            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+                for stmt in child.body:
+                    yield from visit(ast.Module(body=[stmt], type_ignores=[]), "TYPE_CHECKING")
+                for stmt in child.orelse:
+                    yield from visit(ast.Module(body=[stmt], type_ignores=[]), context)
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                yield from visit(child, "function" if context == "top" else context)
+            else:
+                yield from visit(child, context)
+
+    yield from visit(mod.tree, "top")
+
+
+def public_names(module: str) -> frozenset[str] | None:
+    """The module's `__all__` as written at its top level; None when it declares none."""
+    mod = all_modules().get(module)
+    if mod is None:
+        return None
+    names: list[str] | None = None
+    for stmt in mod.tree.body:
+        if isinstance(stmt, ast.Assign):
+            targets, value = stmt.targets, stmt.value
+        elif isinstance(stmt, ast.AnnAssign | ast.AugAssign) and stmt.value is not None:
+            targets, value = [stmt.target], stmt.value
+        else:
+            continue
+        if not any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            continue
+        written = list(ast.literal_eval(value))
+        names = [*(names or []), *written] if isinstance(stmt, ast.AugAssign) else written
+    return None if names is None else frozenset(names)
+
+
+def _top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _private_part(module: str) -> str | None:
+    return next((p for p in module.split(".") if p.startswith("_")), None)
+
+
+def _check_public(module: str, name: str) -> str | None:
+    """Why `module.name` is not core's public surface, or None when it is."""
+    private = _private_part(module)
+    if private:
+        return f"{module} is private ({private!r})"
+    exported = public_names(module)
+    if exported is None:
+        return f"{module} has no __all__ (a module without one exports nothing)"
+    if name not in exported:
+        return f"{name!r} is not in {module}.__all__"
+    return None
+
+
+def _attribute_chains(tree: ast.AST) -> Iterator[tuple[list[str], int]]:
+    """`a.b.c` as (["a", "b", "c"], line), outermost attribute access only."""
+    inner: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            inner.add(id(node.value))
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or id(node) in inner:
+            continue
+        chain: list[str] = []
+        cur: ast.expr = node
+        while isinstance(cur, ast.Attribute):
+            chain.append(cur.attr)
+            cur = cur.value
+        if isinstance(cur, ast.Name):
+            yield [cur.id, *reversed(chain)], node.lineno
+
+
+def public_surface_violations(top: str) -> list[str]:
+    found: list[str] = []
+    for mod in modules(top).values():
+        bound: dict[str, str] = {}  # local name -> core module it stands for
+        explicit: set[str] = set()  # modules `import a.b.c` made reachable as attributes
+        for imp in imports(mod):
+            if _top(imp.module) != CORE:
+                continue
+            if not imp.names:  # import journeyman[.x] [as y]
+                private = _private_part(imp.module)
+                if private:
+                    found.append(f"{mod.where(imp.line)}: import {imp.module}: private ({private!r})")
+                if imp.alias:
+                    bound[imp.alias] = imp.module
+                else:
+                    bound[CORE] = CORE
+                    parts = imp.module.split(".")
+                    explicit.update(".".join(parts[: i + 1]) for i in range(1, len(parts)))
+                continue
+            for name in imp.names:
+                why = "star import" if name == "*" else _check_public(imp.module, name)
+                if why:
+                    found.append(f"{mod.where(imp.line)}: from {imp.module} import {name}: {why}")
+        for chain, line in _attribute_chains(mod.tree):
+            if chain[0] not in bound:
+                continue
+            module, rest = bound[chain[0]], chain[1:]
+            while rest and f"{module}.{rest[0]}" in explicit:
+                module, rest = f"{module}.{rest[0]}", rest[1:]
+            if rest:
+                why = _check_public(module, rest[0])
+                if why:
+                    used = ".".join(chain[: len(chain) - len(rest) + 1])
+                    found.append(f"{mod.where(line)}: {used}: {why}")
+    return found
+
+
+def test_adapters_import_only_public_core_names() -> None:
+    found = [v for top in ADAPTERS for v in public_surface_violations(top)]
+    assert not found, "adapters reach past core's public surface:\n" + "\n".join(found)
+
+
+def test_core_imports_no_adapter_and_adapters_not_each_other() -> None:
+    found: list[str] = []
+    for top in SOURCES:
+        forbidden = set(ADAPTERS) - {top}
+        for mod in modules(top).values():
+            for imp in imports(mod):
+                if _top(imp.module) in forbidden:
+                    found.append(f"{mod.where(imp.line)}: {mod.name} imports {imp.module}")
+    assert not found, "imports across package boundaries:\n" + "\n".join(found)
+
+
+def core_graph() -> dict[str, dict[str, Import]]:
+    """module -> {imported core module: the first import statement that makes the edge}."""
+    known = modules(CORE)
+    graph: dict[str, dict[str, Import]] = {name: {} for name in known}
+    for mod in known.values():
+        for imp in imports(mod):
+            if _top(imp.module) != CORE:
+                continue
+            targets = [imp.module] if not imp.names else []
+            for name in imp.names:  # `from pkg import submodule` imports the submodule
+                sub = f"{imp.module}.{name}"
+                targets.append(sub if sub in known else imp.module)
+            for target in targets:
+                while target not in known and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                if target in known and target != mod.name:
+                    graph[mod.name].setdefault(target, imp)
+    return graph
+
+
+def strongly_connected(graph: dict[str, dict[str, Import]]) -> list[list[str]]:
+    """Tarjan's algorithm; components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component: list[str] = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return out
+
+
+def shortest_cycle(graph: dict[str, dict[str, Import]], start: str, within: set[str]) -> list[str]:
+    previous: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        v = queue.popleft()
+        for w in sorted(graph[v]):
+            if w not in within:
+                continue
+            if w == start:
+                path = [v]
+                while path[-1] != start:
+                    path.append(previous[path[-1]])
+                return [*reversed(path), start]
+            if w not in previous:
+                previous[w] = v
+                queue.append(w)
+    raise AssertionError(f"{start} is in a component but on no cycle")
+
+
+def describe_cycle(graph: dict[str, dict[str, Import]], cycle: list[str]) -> str:
+    known = modules(CORE)
+    steps = [cycle[0]]
+    for a, b in itertools.pairwise(cycle):
+        imp = graph[a][b]
+        steps.append(f"  -> {b}   ({known[a].where(imp.line)}, {imp.context})")
+    return "\n".join(steps)
+
+
+def test_core_has_no_import_cycle() -> None:
+    graph = core_graph()
+    assert "journeyman.types" in graph["journeyman"], "the graph lost core's own imports"
+    reports: list[str] = []
+    for component in strongly_connected(graph):
+        seen: set[frozenset[str]] = set()
+        for start in component:
+            cycle = shortest_cycle(graph, start, set(component))
+            if frozenset(cycle) in seen:
+                continue
+            seen.add(frozenset(cycle))
+            reports.append(describe_cycle(graph, cycle))
+    assert not reports, "import cycles between core modules:\n" + "\n\n".join(reports)
