@@ -12,7 +12,9 @@ import journeyman
 
 def test_public_names() -> None:
     assert sorted(journeyman.__all__) == [
+        "AuthenticationError",
         "Backend",
+        "BackendUnavailableError",
         "BaseModelNotFoundError",
         "CAPTURE_HEADER",
         "Capture",
@@ -27,6 +29,9 @@ def test_public_names() -> None:
         "LoraConfig",
         "ModelConfig",
         "NoTrainableTokensError",
+        "ProtocolMismatchError",
+        "RemoteBackend",
+        "RemoteError",
         "RolloutException",
         "RulerConfig",
         "RulerJudgeError",
@@ -42,6 +47,7 @@ def test_public_names() -> None:
         "capture_scope",
         "current_backend",
         "gather_trajectory_groups",
+        "open_backend",
         "record_of",
         "ruler_score_group",
     ]

@@ -3,12 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 
 import journeyman as jm
@@ -185,67 +179,6 @@ async def test_step_checkpoint_serve_resume_and_prune(tmp_path: Path) -> None:
     await model2.serve_step(2)
     assert all(torch.equal(a, b) for a, b in zip(latest, policy2.trainable_parameters(), strict=True))
     backend2.close()
-
-
-KILL_SCRIPT = textwrap.dedent(
-    """
-    import asyncio, sys
-    import journeyman as jm
-    from journeyman import tasks
-
-    async def main():
-        backend = jm.LocalBackend(path=sys.argv[1])
-        model = jm.TrainableModel(name="k", project="p")
-        await model.register(backend)
-        client = model.openai_client()
-        for step in range(10):
-            groups = await jm.gather_trajectory_groups(
-                (jm.TrajectoryGroup(tasks.rollout(model, client, s, max_tokens=8) for _ in range(2)) for s in tasks.scenarios("train", 2, seed=step)),
-                pbar_desc=None)
-            for g in groups:
-                for i, t in enumerate(g.trajectories):
-                    t.reward = float(i % 2)
-            print("train", await model.get_step(), flush=True)
-            await model.train(groups)
-
-    asyncio.run(main())
-    """
-)
-
-
-async def test_sigkill_during_train_resumes_from_last_checkpoint(tmp_path: Path) -> None:
-    script = tmp_path / "train_forever.py"
-    script.write_text(KILL_SCRIPT)
-    run = tmp_path / "p" / "models" / "k"
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=os.environ.copy(),
-    )
-    try:
-        # wait until the second step's trajectories are on disk (written before its update), then kill
-        deadline = time.monotonic() + 600
-        while not (run / "trajectories" / "train" / "0001.jsonl").exists():
-            assert proc.poll() is None, "training child exited early"
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert (
-        (run / "trajectories" / "train" / "0001.jsonl").read_text().strip()
-    )  # the killed step's rollouts survived
-    backend = jm.LocalBackend(path=tmp_path)
-    model = jm.TrainableModel(name="k", project="p")
-    await model.register(backend)
-    step = await model.get_step()
-    assert step in (1, 2)  # 1 unless the kill landed after the step-2 checkpoint was complete
-    assert (run / "checkpoints" / f"{step:04d}" / "adapter_model.safetensors").exists()
-    backend.close()
 
 
 def test_a_shared_prefix_runs_once_with_the_same_logprobs_and_gradients(served) -> None:

@@ -7,26 +7,34 @@ libraries load when a backend first serves a model.
 from .backend import Backend, Inference, current_backend
 from .capture import CAPTURE_HEADER, CapturedCall, capture_scope
 from .config import DEFAULT_BASE_MODEL, LoraConfig, ModelConfig, TrainConfig, TrainResult
+from .connect import open_backend
 from .engine.vllm_server import VLLMConfig
 from .errors import (
+    AuthenticationError,
+    BackendUnavailableError,
     BaseModelNotFoundError,
     EmptyGroupError,
     InvalidFieldError,
     JourneymanError,
     NoTrainableTokensError,
+    ProtocolMismatchError,
+    RemoteError,
     TooManyExceptionsError,
     UnknownModelError,
 )
 from .gather import gather_trajectory_groups
 from .local_backend import LocalBackend
 from .model import Capture, TrainableModel
+from .remote_backend import RemoteBackend
 from .ruler import RulerConfig, RulerJudgeError, ruler_score_group
 from .types import History, RolloutException, TokenRecord, Trajectory, TrajectoryGroup, record_of
 
 __all__ = [
     "CAPTURE_HEADER",
     "DEFAULT_BASE_MODEL",
+    "AuthenticationError",
     "Backend",
+    "BackendUnavailableError",
     "BaseModelNotFoundError",
     "Capture",
     "CapturedCall",
@@ -39,6 +47,9 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "NoTrainableTokensError",
+    "ProtocolMismatchError",
+    "RemoteBackend",
+    "RemoteError",
     "RolloutException",
     "RulerConfig",
     "RulerJudgeError",
@@ -54,6 +65,7 @@ __all__ = [
     "capture_scope",
     "current_backend",
     "gather_trajectory_groups",
+    "open_backend",
     "record_of",
     "ruler_score_group",
 ]

@@ -76,10 +76,15 @@ def demo(
     name: Annotated[
         str, typer.Option(help="model name (a new name starts fresh; the same name resumes)")
     ] = "demo",
+    backend: Annotated[
+        str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
+    ] = None,
+    token: Annotated[str | None, typer.Option(help="the server's token (default: $JOURNEYMAN_TOKEN)")] = None,
 ) -> None:
     """Train the embedded model on the CPU for a few minutes on a built-in task, and show that it learned."""
     from tqdm.auto import tqdm
 
+    from .connect import open_backend
     from .demo import run_demo
 
     bar = tqdm(total=steps, desc="training", unit="step")
@@ -101,6 +106,7 @@ def demo(
             learning_rate=learning_rate,
             eval_prompts=eval_prompts,
             on_step=on_step,
+            backend=open_backend(backend, token=token, path=path) if backend else None,
         )
     )
     bar.close()
@@ -141,6 +147,50 @@ def report(
     png = plot_history(history, output or run_dir / "reward.png", title=run_dir.name, metric=metric)
     steps = [r["step"] for r in history if "train/reward" in r]
     typer.echo(f"{len(steps)} training steps; plot: {png}")
+
+
+@app.command()
+def serve(
+    host: Annotated[
+        str, typer.Option(help="address to bind; anything but 127.0.0.1 is reachable from other machines")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 7800,
+    path: Annotated[
+        Path, typer.Option(help="run directory root (checkpoints, trajectories, history)")
+    ] = Path(".journeyman"),
+    engine: Annotated[str, typer.Option(help="torch (in process) or vllm")] = "torch",
+    max_body_mb: Annotated[float, typer.Option(help="largest request body accepted (413 above it)")] = 64.0,
+) -> None:
+    """Serve the Backend protocol and every model's OpenAI endpoint over HTTP, for `jm.RemoteBackend`.
+
+    Every request needs `Authorization: Bearer <token>`: the token is $JOURNEYMAN_TOKEN, or a new one
+    printed at start."""
+    import os
+    import secrets
+
+    from .local_backend import LocalBackend
+    from .server import serve as run
+
+    token = os.environ.get("JOURNEYMAN_TOKEN") or secrets.token_urlsafe(32)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        typer.echo(
+            f"warning: binding {host}: reachable from other machines; put TLS in front (README)", err=True
+        )
+
+    def ready(url: str) -> None:
+        typer.echo(f"journeyman serve: {url}", err=True)
+        if "JOURNEYMAN_TOKEN" not in os.environ:
+            typer.echo(f"token: {token}", err=True)
+        typer.echo("ready", err=True)
+
+    run(
+        LocalBackend(path=path, engine=engine),
+        token,
+        host=host,
+        port=port,
+        max_body_bytes=int(max_body_mb * 2**20),
+        on_ready=ready,
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from . import tasks
+from .backend import Backend
 from .config import DEFAULT_BASE_MODEL, TrainConfig
 from .engine.vllm_server import VLLMConfig
 from .gather import gather_trajectory_groups
@@ -75,8 +76,12 @@ async def run_demo(
     base_model: str | None = None,
     engine: str | VLLMConfig = "torch",
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    backend: Backend | None = None,
 ) -> DemoResult:
-    backend = LocalBackend(path=path, engine=engine)
+    """Evaluate, train, evaluate again; on `backend` (e.g. a `RemoteBackend`) when given, else on a
+    `LocalBackend` at `path` with `engine` that is closed at the end."""
+    own = backend is None
+    backend = backend or LocalBackend(path=path, engine=engine)
     model = TrainableModel(name=name, project=project, base_model=base_model or DEFAULT_BASE_MODEL)
     await model.register(backend)
     try:
@@ -102,7 +107,8 @@ async def run_demo(
                 on_step(step, result.metrics)
         after, val_groups = await evaluate(model, eval_prompts, max_tokens)
         await _log_eval(model, val_groups, after)
-        run_dir = model.run_dir
+        # a remote backend's run directory is on the server: the plot is drawn here, under `path`
+        run_dir = model.run_dir if own else Path(path) / project / "models" / name
         plot = plot_history(
             await model.history(),
             run_dir / "reward.png",
@@ -110,7 +116,8 @@ async def run_demo(
         )
         return DemoResult(before=before, after=after, steps=steps, run_dir=run_dir, plot=plot)
     finally:
-        backend.close()
+        if own:
+            backend.close()
 
 
 async def _log_eval(model: TrainableModel, groups: list[TrajectoryGroup], result: EvalResult) -> None:

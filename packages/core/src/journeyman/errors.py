@@ -61,6 +61,26 @@ class NoTrainableTokensError(InvalidFieldError):
     """A trajectory has no sampled assistant tokens to train on."""
 
 
+class BackendUnavailableError(JourneymanError, ConnectionError):
+    """A remote backend did not answer within the client's retries (down, restarting, or unreachable)."""
+
+
+class AuthenticationError(JourneymanError, PermissionError):
+    """A remote backend refused the token (401)."""
+
+
+class ProtocolMismatchError(JourneymanError, RuntimeError):
+    """Client and server speak different versions of the Backend protocol."""
+
+
+class RemoteError(JourneymanError, RuntimeError):
+    """A remote backend failed a request; `.type` names the server-side error."""
+
+    def __init__(self, type_: str, message: str) -> None:
+        self.type = type_
+        super().__init__(f"{type_}: {message}")
+
+
 class OwnErrorsModel(BaseModel):
     """A pydantic model whose validators' JourneymanErrors reach the caller as themselves.
 
@@ -90,11 +110,15 @@ def _own(e: ValidationError) -> Exception:
 
 
 __all__ = [
+    "AuthenticationError",
+    "BackendUnavailableError",
     "BaseModelNotFoundError",
     "EmptyGroupError",
     "InvalidFieldError",
     "JourneymanError",
     "NoTrainableTokensError",
+    "ProtocolMismatchError",
+    "RemoteError",
     "TooManyExceptionsError",
     "UnknownModelError",
 ]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .backend import Inference
 from .capture import CapturedCall
-from .config import ModelConfig, TrainConfig, TrainResult
+from .config import ModelConfig, TrainConfig, TrainResult, check_name
 from .errors import InvalidFieldError
 from .observe import GroupContext, emit
 from .store import RunStore
@@ -223,6 +223,8 @@ class LocalBackend:
         config = config or TrainConfig()
         s = self.service(model)
         groups = _check_groups(groups)
+        if idempotency_key is not None:
+            check_name("idempotency_key", idempotency_key)
         if idempotency_key is not None and (done := s.store.request_result(idempotency_key)) is not None:
             return TrainResult.model_validate(done)
         step = s.store.latest_step()

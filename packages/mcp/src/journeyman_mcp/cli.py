@@ -50,6 +50,11 @@ BaseModel_ = Annotated[
     ),
 ]
 Engine = Annotated[str, typer.Option(help="inference engine: torch (in process) or vllm")]
+BackendUrl = Annotated[
+    str | None,
+    typer.Option("--backend", help="train on `journeyman serve` at this URL (default: in this process)"),
+]
+Token = Annotated[str | None, typer.Option(help="the server's token (default: $JOURNEYMAN_TOKEN)")]
 Tools = Annotated[
     str | None, typer.Option("--tools", help="comma-separated tool names to train on (default: all)")
 ]
@@ -170,6 +175,8 @@ def train(
     ] = 0.25,
     engine: Engine = "torch",
     path: RunRoot = Path(".journeyman"),
+    backend: BackendUrl = None,
+    token: Token = None,
     seed: Seed = 0,
 ) -> None:
     """Generate scenarios, evaluate, train with RULER + GRPO, evaluate again; print a before/after table."""
@@ -206,6 +213,8 @@ def train(
         max_exceptions=max_exceptions,
         engine=engine,
         path=path,
+        backend=backend,
+        token=token,
         seed=seed,
     )
     report = _run(run_train, settings, _echo)
@@ -304,6 +313,8 @@ def eval_(
     max_arg_chars: MaxArgChars = 64,
     engine: Engine = "torch",
     path: RunRoot = Path(".journeyman"),
+    backend: BackendUrl = None,
+    token: Token = None,
 ) -> None:
     """Evaluate a checkpoint of a trained run on its held-out scenarios."""
     from .train import TrainReport, eval_step
@@ -322,6 +333,8 @@ def eval_(
         max_arg_chars=max_arg_chars,
         engine=engine,
         path=path,
+        backend=backend,
+        token=token,
     )
     summary = _run(eval_step, settings, step, _echo)
     typer.echo(TrainReport(run_dir=path, scenarios_file=path, evals=[summary], steps=[]).table())

@@ -29,6 +29,9 @@ Echo = Callable[[str], None]
 
 
 class McpRlSettings(BaseModel):
+    """Everything one `mcp-rl` command needs. Its files (scenarios, report, plot) go to `out_dir`,
+    which is the run directory itself on a local backend."""
+
     server: ServerSpec
     path: Path = Field(
         default=Path(".journeyman"),
@@ -38,6 +41,12 @@ class McpRlSettings(BaseModel):
     model: str = "mcp-agent"
     base_model: str | None = None
     engine: str = "torch"
+    backend: str | None = Field(
+        default=None, description="URL of `journeyman serve` to train on (default: in this process)"
+    )
+    token: str | None = Field(
+        default=None, repr=False, exclude=True, description="its token ($JOURNEYMAN_TOKEN)"
+    )
     tools: list[str] = Field(default_factory=list, description="train on these tools only (all when empty)")
     judge: str = Field(
         "local", description='"local" (a frozen copy of the base model), "none", a URL or a LiteLLM id'
@@ -87,6 +96,13 @@ class McpRlSettings(BaseModel):
     def pool_size(self) -> int:
         # Rollouts that wait for a session cannot share the engine's batch with the others.
         return self.connections or min(32, self.groups_per_step * self.group_size)
+
+    @property
+    def out_dir(self) -> Path:
+        return self.path / self.project / "models" / self.model
+
+    def open_backend(self) -> jm.Backend:
+        return jm.open_backend(self.backend, token=self.token, path=self.path, engine=self.engine)
 
 
 class EvalSummary(BaseModel):
@@ -275,7 +291,7 @@ async def connect(settings: McpRlSettings, echo: Echo) -> tuple[SessionPool, Ser
 
 async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
     pool, info = await connect(settings, echo)
-    backend = jm.LocalBackend(path=settings.path, engine=settings.engine)
+    backend = settings.open_backend()
     try:
         model = jm.TrainableModel(
             name=settings.model,
@@ -296,7 +312,7 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
             judge = f"local:{judge_model.name}"
         generator = f"local:{model.name}" if settings.generator == "local" else settings.generator
         sset, spath, gen = await load_or_generate(
-            settings.model_copy(update={"generator": generator}), info, model.run_dir, echo
+            settings.model_copy(update={"generator": generator}), info, settings.out_dir, echo
         )
         cfg = settings.rollout
         evals: list[EvalSummary] = []
@@ -369,7 +385,7 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
                 evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
         if settings.steps:
             evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
-        run_dir = model.run_dir
+        run_dir = settings.out_dir
         plot = plot_history(
             await model.history(),
             run_dir / "reward.png",
@@ -389,7 +405,7 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
 async def eval_step(settings: McpRlSettings, step: int | None, echo: Echo = print) -> EvalSummary:
     """Evaluate checkpoint `step` (latest when None; 0 = the base model) on the run's eval scenarios."""
     pool, info = await connect(settings, echo)
-    backend = jm.LocalBackend(path=settings.path, engine=settings.engine)
+    backend = settings.open_backend()
     try:
         model = jm.TrainableModel(
             name=settings.model,
@@ -399,7 +415,7 @@ async def eval_step(settings: McpRlSettings, step: int | None, echo: Echo = prin
         await model.register(backend)
         if step is not None:
             await model.serve_step(step)  # refuses a step the run does not have, naming it
-        run_dir = model.run_dir
+        run_dir = settings.out_dir
         sset, _, _ = await load_or_generate(
             settings.model_copy(
                 update={"scenarios_file": settings.scenarios_file or run_dir / "scenarios.json"}

@@ -1,0 +1,191 @@
+"""`journeyman serve` in a real subprocess on 127.0.0.1, driven through `jm.RemoteBackend`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import journeyman as jm
+import pytest
+from fastapi.routing import APIRoute
+from journeyman import tasks
+from journeyman.remote_wire import PREFIX
+from journeyman.server import ServerProcess, create_app
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "test-token-0123456789abcdef"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server(path: Path) -> ServerProcess:
+    return ServerProcess(path, TOKEN, args=["--max-body-mb", "1"])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    s = _server(tmp_path_factory.mktemp("serve")).start()
+    yield s
+    s.kill()
+
+
+def _routes() -> list[tuple[str, str]]:
+    app = create_app(jm.LocalBackend(path="/nonexistent"), TOKEN)  # no model is loaded to list routes
+    out = []
+    for r in app.routes:
+        if isinstance(r, APIRoute):
+            out += [(m, r.path.replace("{name}", "m")) for m in sorted(r.methods)]
+    return out
+
+
+def test_every_route_needs_the_token(server: ServerProcess) -> None:
+    routes = _routes()
+    assert len(routes) >= 12 and ("POST", "/v1/chat/completions") in routes
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for method, path in routes:
+            for headers in ({}, {"authorization": "Bearer wrong-token-0123456789"}, {"authorization": TOKEN}):
+                r = http.request(method, path, headers=headers, json={})
+                assert r.status_code == 401, (method, path, headers)
+                assert r.json() == {
+                    "error": {"message": "unauthorized", "type": "unauthorized", "param": None}
+                }
+
+
+def test_oversized_bodies_get_413_naming_the_limit(server: ServerProcess) -> None:
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    big = b"x" * (2 * 2**20)
+    with httpx.Client(base_url=server.url, timeout=30, headers=auth) as http:
+        r = http.post(f"{PREFIX}/register", content=big)
+        assert r.status_code == 413 and str(2**20) in r.json()["error"]["message"]
+        chunks = (big[i : i + 65536] for i in range(0, len(big), 65536))  # no content-length: counted
+        r = http.post("/v1/chat/completions", content=chunks)
+        assert r.status_code == 413
+
+
+async def test_remote_backend_errors_are_named(server: ServerProcess) -> None:
+    with pytest.raises(jm.AuthenticationError):
+        await jm.RemoteBackend(server.url, token="wrong-token-0123456789").register(
+            jm.TrainableModel(name="x", project="p")
+        )
+    backend = jm.RemoteBackend(server.url, token=TOKEN)
+    with pytest.raises(jm.UnknownModelError) as unknown:
+        await backend.get_step(jm.TrainableModel(name="never-registered", project="p"))
+    assert unknown.value.name == "never-registered"
+    down = jm.RemoteBackend(f"http://127.0.0.1:{_free_port()}", token=TOKEN, reconnect_s=1)
+    with pytest.raises(jm.BackendUnavailableError):
+        await down.get_step(jm.TrainableModel(name="x", project="p"))
+
+
+async def test_rollouts_captures_and_a_train_step_through_the_server(server: ServerProcess) -> None:
+    backend = jm.RemoteBackend(server.url, token=TOKEN, progress=False)
+    model = jm.TrainableModel(name="remote", project="p")
+    await model.register(backend)
+    assert model.run_dir == server.path / "p" / "models" / "remote"
+    client = model.openai_client()
+
+    async def one(i: int) -> jm.CapturedCall:
+        async with model.capture() as cap:
+            await client.chat.completions.create(
+                model=model.name, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=4
+            )
+        (call,) = cap.calls
+        return call
+
+    calls = await asyncio.gather(*(one(i) for i in range(64)), return_exceptions=True)
+    errors = [c for c in calls if isinstance(c, BaseException)]
+    assert not errors, errors[:3]
+    records = [jm.TokenRecord.model_validate(c.response["choices"][0]["journeyman"]) for c in calls]  # type: ignore[union-attr]
+    assert all(r.token_ids and len(r.logprobs) == len(r.token_ids) and r.step == 0 for r in records)
+
+    groups = await jm.gather_trajectory_groups(
+        (
+            jm.TrajectoryGroup(tasks.rollout(model, client, s, max_tokens=8) for _ in range(2))
+            for s in tasks.scenarios("train", 2)
+        ),
+        pbar_desc=None,
+    )
+    for g in groups:
+        for i, t in enumerate(g.trajectories):
+            t.reward = float(i % 2)
+    before = backend.sent_bytes
+    result = await model.train(
+        groups, config=jm.TrainConfig(learning_rate=1e-3), idempotency_key="step-one-key"
+    )
+    per_trajectory = (backend.sent_bytes - before) / sum(len(g.trajectories) for g in groups)
+    print(f"train body: {per_trajectory:.0f} compressed bytes per trajectory")
+    assert result.step == 1 and not result.skipped and await model.get_step() == 1
+    again = await model.train(groups, idempotency_key="step-one-key")  # a retry: no second step
+    assert again == result and await model.get_step() == 1
+    await model.log(groups, split="val", metrics={"reward_sem": 0.1})
+    history = await model.history()
+    assert [h["split"] for h in history] == ["train", "val"] and history[1]["val/reward_sem"] == 0.1
+    await model.serve_step(0)
+    await model.serve_step(1)
+
+
+def _train_body(groups: list[jm.TrajectoryGroup], key: str) -> bytes:
+    from journeyman.remote_wire import TrainBody, gzip_json
+
+    return gzip_json(
+        TrainBody(groups=groups, config=jm.TrainConfig(micro_batch_tokens=64), idempotency_key=key)
+    )
+
+
+async def test_a_server_killed_mid_step_resumes_and_trains_it_exactly_once(tmp_path: Path) -> None:
+    """SIGKILL during step 1: the restarted server resumes step 1's checkpoint, and the client's retry
+    (same idempotency key) trains step 1 once; no group is lost or written twice."""
+    server = _server(tmp_path).start()
+    try:
+        backend = jm.RemoteBackend(server.url, token=TOKEN, progress=False, reconnect_s=240)
+        model = jm.TrainableModel(name="killed", project="p")
+        await model.register(backend)
+        client = model.openai_client()
+        groups = await jm.gather_trajectory_groups(
+            (
+                jm.TrajectoryGroup(tasks.rollout(model, client, s, max_tokens=8) for _ in range(2))
+                for s in tasks.scenarios("train", 2)
+            ),
+            pbar_desc=None,
+        )
+        for g in groups:
+            for i, t in enumerate(g.trajectories):
+                t.reward = float(i % 2)
+        assert (await model.train(groups, idempotency_key="kill-test-step-0")).step == 1
+        key = "kill-test-step-1"
+        headers = {
+            "authorization": f"Bearer {TOKEN}",
+            "content-encoding": "gzip",
+            "content-type": "application/json",
+        }
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=120) as http,
+            http.stream(
+                "POST", f"{PREFIX}/models/killed/train", content=_train_body(groups, key), headers=headers
+            ) as r,
+        ):
+            async for line in r.aiter_lines():
+                if json.loads(line)["kind"] == "progress":
+                    break  # mid-step: the first micro-batch is done, the step is not
+            server.kill()
+        server.start()  # re-registers the model from its run directory
+        assert await model.get_step() == 1  # resumed at the last checkpoint (the client reconnected)
+        result = await model.train(groups, config=jm.TrainConfig(micro_batch_tokens=64), idempotency_key=key)
+        assert result.step == 2 and await model.get_step() == 2
+        run = model.run_dir
+        assert (run / "checkpoints" / "0002" / "adapter_model.safetensors").exists()
+        history = [json.loads(x) for x in (run / "history.jsonl").read_text().splitlines()]
+        assert [(h["split"], h["step"]) for h in history] == [("train", 0), ("train", 1)]
+        for step in (0, 1):  # every group on disk once: none lost, none twice
+            saved = (run / "trajectories" / "train" / f"{step:04d}.jsonl").read_text().splitlines()
+            assert len(saved) == len(groups)
+    finally:
+        server.kill()
