@@ -98,7 +98,10 @@ async def main(args: argparse.Namespace) -> None:
         async def evaluate() -> None:
             step = await model.get_step()
             groups = await jm.gather_trajectory_groups(
-                (jm.TrajectoryGroup(rollout(*s) for _ in range(args.eval_size)) for s in SCENARIOS),
+                (
+                    jm.TrajectoryGroup(rollout(*s) for _ in range(args.eval_size))
+                    for s in SCENARIOS[: args.eval_scenarios]
+                ),
                 pbar_desc=f"eval {step}",
             )
             m = await model.log(groups, split="val")
@@ -137,6 +140,9 @@ if __name__ == "__main__":
     p.add_argument("--groups", type=int, default=4, help="scenarios per step")
     p.add_argument("--group-size", type=int, default=4, help="rollouts per scenario")
     p.add_argument("--eval-size", type=int, default=2, help="rollouts per scenario when evaluating")
+    p.add_argument(
+        "--eval-scenarios", type=int, default=len(SCENARIOS), help="how many scenarios to evaluate on"
+    )
     p.add_argument("--answer-tokens", type=int, default=8, help="max tokens of the answer after the tool")
     p.add_argument("--learning-rate", type=float, default=3e-4)
     p.add_argument("--name", default="weather-agent")

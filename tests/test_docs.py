@@ -1,0 +1,583 @@
+"""The Python in the docs is code: every ```python block of README.md, packages/*/README.md and
+docs/**/*.md compiles, names only what the packages export, and runs if it can run here.
+
+Each block is checked three ways, without the model:
+
+- it compiles (top-level `await` allowed, as in a notebook or `python -m asyncio`);
+- every `jm.X`, `journeyman.X`, `from journeyman... import X` is public (in `__all__` of a module
+  whose path has no `_` part, the rule tests/test_boundaries.py applies to the adapters), every
+  `from <anything> import X` resolves, and calls of Journeyman callables and of methods of
+  Journeyman objects the block constructs bind to their signatures (a renamed keyword fails here);
+- the names it uses but no block of its file defines are exactly the ones listed in READER_NAMES
+  (the reader's tools, reward, scenarios): a typo shows up as a new name.
+
+Blocks that need nothing from the reader and no service (EXTERNAL) then run for real, a file's
+blocks in order in one namespace, in a subprocess against the embedded model (run_doc_blocks.py).
+Inline code in the prose is checked too: `jm.X`, `journeyman.a.b` and `from journeyman.x import Y`
+are public, and every repository path the docs mention (examples/, bench/, docs/, packages/) exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import importlib
+import inspect
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted(
+    [ROOT / "README.md", *ROOT.glob("packages/*/README.md"), *ROOT.glob("docs/**/*.md")],
+    key=lambda p: p.relative_to(ROOT).as_posix(),
+)
+RUNNER = Path(__file__).with_name("run_doc_blocks.py")
+RUN_TIMEOUT_S = 420
+
+# A block is named by (file, a piece of its text found in no other block of that file).
+# Sketches: block -> the names it uses that the reader supplies (their tools, reward, scenarios).
+# Compiled and checked, not run. Names an earlier block of the same file defines are not the reader's.
+READER_NAMES: dict[tuple[str, str], set[str]] = {
+    ("README.md", "async def rollout(scenario) -> jm.Trajectory:"): {
+        "TOOLS",
+        "run_tool",
+        "score",
+        "scenarios",
+    },
+    ("README.md", "from journeyman_langgraph import"): {"get_weather", "get_time", "score"},
+    ("README.md", "from journeyman_agents import TrainableRunner"): {"score"},
+    ("packages/langgraph/README.md", "async def rollout(scenario: Scenario)"): {
+        "get_weather",
+        "get_time",
+        "Scenario",
+        "score",
+        "scenarios",
+    },
+    ("packages/langgraph/README.md", "def executor(state):"): {"tools"},
+    ("docs/ruler.md", "rollout(model, s)"): {"rollout", "model", "scenarios"},
+    # also asks a judge server on 127.0.0.1:8000
+    ("docs/ruler.md", "rubric=MY_RUBRIC"): {"MY_RUBRIC"},
+    ("docs/ruler.md", "await complete_json("): {"messages", "schema"},
+}
+# Blocks that need a service this machine lacks: block -> that service. Compiled and checked, not run.
+EXTERNAL: dict[tuple[str, str], str] = {
+    ("README.md", "jm.RemoteBackend("): (
+        "a `journeyman serve` server on 127.0.0.1:7800 and its $JOURNEYMAN_TOKEN"
+        " (RemoteBackend itself: packages/core/tests/test_remote.py)"
+    ),
+    ("README.md", "await fetch_review_set("): (
+        "a Langfuse server (LANGFUSE_* keys) holding human-scored traces, and block 1's model"
+    ),
+    # Not a service: a model that answers within max_tokens. The 135M model's streamed answer
+    # sometimes runs past it (the SDK then raises on `response.incomplete`); the same runs, streamed
+    # included, are tested in packages/agents-sdk/tests and tests/test_examples.py.
+    ("packages/agents-sdk/README.md", "runner.run_streamed("): (
+        "a model whose streamed answer fits max_tokens=40 (the embedded 135M one does not always)"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    path: str  # relative to ROOT, posix
+    line: int  # the opening fence's line (1-based); the code starts on the next line
+    source: str
+    index: int  # position among the file's python blocks
+
+    @property
+    def id(self) -> str:
+        return f"{self.path}:{self.line}"
+
+    def key_in(self, table: dict[tuple[str, str], Any]) -> tuple[str, str] | None:
+        return next((k for k in table if k[0] == self.path and k[1] in self.source), None)
+
+    @property
+    def runnable(self) -> bool:
+        return self.key_in(READER_NAMES) is None and self.key_in(EXTERNAL) is None
+
+    def tree(self) -> ast.Module:
+        """The block's AST with line numbers of the Markdown file."""
+        return ast.parse("\n" * self.line + self.source, self.path)
+
+
+_FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
+
+
+def split_markdown(text: str) -> tuple[list[tuple[int, str, str]], str]:
+    """(fenced blocks as (fence line, language, source), the prose with the fenced blocks removed)."""
+    blocks: list[tuple[int, str, str]] = []
+    prose: list[str] = []
+    open_at: tuple[int, str] | None = None
+    body: list[str] = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        m = _FENCE.match(line)
+        if open_at is None and m:
+            open_at, body = (n, m.group(2).lower()), []
+        elif open_at is not None and m and not m.group(2):
+            blocks.append((open_at[0], open_at[1], textwrap.dedent("\n".join(body)) + "\n"))
+            open_at = None
+        elif open_at is not None:
+            body.append(line)
+        else:
+            prose.append(line)
+    assert open_at is None, f"unclosed code fence at line {open_at[0]}"
+    return blocks, "\n".join(prose)
+
+
+def python_blocks(doc: Path) -> list[Block]:
+    rel = doc.relative_to(ROOT).as_posix()
+    fenced, _ = split_markdown(doc.read_text())
+    found = [(line, src) for line, lang, src in fenced if lang in ("python", "py")]
+    return [Block(rel, line, src, i) for i, (line, src) in enumerate(found)]
+
+
+BLOCKS = [b for doc in DOCS for b in python_blocks(doc)]
+BY_FILE: dict[str, list[Block]] = {}
+for _b in BLOCKS:
+    BY_FILE.setdefault(_b.path, []).append(_b)
+
+
+# -- names a block binds and uses -------------------------------------------------------------------
+def bound_and_used(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """Names bound anywhere in the tree, and names read. Scopes are flattened: a sketch-level check."""
+    bound: set[str] = set()
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        match node:
+            case ast.Name(id=name, ctx=ast.Load()):
+                used.add(name)
+            case ast.Name(id=name):
+                bound.add(name)
+            case ast.FunctionDef(name=name) | ast.AsyncFunctionDef(name=name) | ast.ClassDef(name=name):
+                bound.add(name)
+            case ast.arg(arg=name):
+                bound.add(name)
+            case ast.alias(name=name, asname=asname) if name != "*":
+                bound.add(asname or name.split(".")[0])
+            case ast.ExceptHandler(name=str() as name) | ast.MatchAs(name=str() as name):
+                bound.add(name)
+            case ast.MatchStar(name=str() as name):
+                bound.add(name)
+    return bound, used
+
+
+def undefined_names(block: Block, only_runnable_before: bool = False) -> set[str]:
+    """Names the block reads that neither it, an earlier block of its file, nor builtins define."""
+    earlier: set[str] = set()
+    for b in BY_FILE[block.path][: block.index]:
+        if not only_runnable_before or b.runnable:
+            earlier |= bound_and_used(b.tree())[0]
+    bound, used = bound_and_used(block.tree())
+    return used - bound - earlier - set(dir(builtins))
+
+
+# -- what a block names from the packages -----------------------------------------------------------
+@dataclass(frozen=True)
+class Instance:
+    """A value the block built by calling a class it imported: `model = jm.TrainableModel(...)`."""
+
+    cls: type
+
+
+def _is_ours(module_name: str) -> bool:
+    return module_name.split(".")[0].startswith("journeyman")
+
+
+def public_attribute(module: types.ModuleType, name: str) -> Any:
+    """`module.name` if public; raises LookupError saying why not. Submodules count when public."""
+    path = module.__name__
+    if _is_ours(path):
+        if name.startswith("_") or any(p.startswith("_") for p in path.split(".")):
+            raise LookupError(f"{path}.{name} is private")
+        try:  # a public submodule (journeyman.integrations, journeyman.engine.vllm_env)
+            sub = importlib.import_module(f"{path}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{path}.{name}":
+                raise
+        else:
+            return sub
+        if name not in getattr(module, "__all__", ()):
+            where = "has no __all__" if not hasattr(module, "__all__") else "does not list it in __all__"
+            raise LookupError(f"{path}.{name} is not exported: {path} {where}")
+    if not hasattr(module, name):
+        raise LookupError(f"{path} has no attribute {name!r}")
+    return getattr(module, name)
+
+
+def import_from(module_name: str, name: str) -> Any:
+    """What `from module_name import name` binds, if public; raises ImportError or LookupError."""
+    return public_attribute(importlib.import_module(module_name), name)
+
+
+def _has_member(cls: type, name: str) -> bool:
+    fields = getattr(cls, "model_fields", None) or getattr(cls, "__dataclass_fields__", None) or {}
+    return name in fields or hasattr(cls, name)
+
+
+def _checks_fields(cls: type) -> bool:
+    """Only pydantic models and dataclasses declare every instance attribute on the class."""
+    return hasattr(cls, "model_fields") or hasattr(cls, "__dataclass_fields__")
+
+
+class ApiChecker:
+    """Walks a file's blocks in order and lists what they name that does not exist as written.
+
+    Tracks the names bound to Journeyman modules (`import journeyman as jm`), to objects imported
+    from any module, and to instances of imported classes; a name bound to anything else is
+    forgotten. Statements are taken in order, and a function's own names shadow the outer ones.
+    """
+
+    def __init__(self) -> None:
+        self.env: dict[str, Any] = {}
+        self.problems: list[str] = []
+
+    def check_block(self, block: Block) -> list[str]:
+        self.problems = []
+        for stmt in block.tree().body:
+            self._stmt(stmt)
+        return self.problems
+
+    # statements: check what they read, then update the bindings they make
+    def _stmt(self, stmt: ast.stmt) -> None:
+        match stmt:
+            case ast.Import(names=names):
+                for a in names:
+                    self._import(stmt, a)
+            case ast.ImportFrom(module=str() as module, names=names, level=0):
+                self._import_from(stmt, module, names)
+            case ast.FunctionDef() | ast.AsyncFunctionDef():
+                for d in stmt.decorator_list:
+                    self._expr(d)
+                self._expr_list([*stmt.args.defaults, *(d for d in stmt.args.kw_defaults if d)])
+                saved = dict(self.env)
+                for name in bound_and_used(stmt)[0]:
+                    self.env.pop(name, None)
+                for s in stmt.body:
+                    self._stmt(s)
+                self.env = saved
+                self.env.pop(stmt.name, None)
+            case ast.Assign(targets=[ast.Name(id=name)], value=value):
+                self._expr(value)
+                self.env.pop(name, None)
+                if (made := self._made(value)) is not None:
+                    self.env[name] = made
+                else:
+                    self._forget(stmt.targets[0])
+            case _:
+                for child in ast.iter_child_nodes(stmt):
+                    self._child(child)
+                for target in self._targets(stmt):
+                    self._forget(target)
+
+    def _child(self, node: ast.AST) -> None:
+        """Statements and expressions inside a compound statement (handlers, with-items, cases)."""
+        if isinstance(node, ast.stmt):
+            self._stmt(node)
+        elif isinstance(node, ast.expr):
+            self._expr(node)
+        else:
+            for child in ast.iter_child_nodes(node):
+                self._child(child)
+
+    @staticmethod
+    def _targets(stmt: ast.stmt) -> list[ast.AST]:
+        match stmt:
+            case ast.Assign(targets=targets):
+                return list(targets)
+            case (
+                ast.AnnAssign(target=t) | ast.AugAssign(target=t) | ast.For(target=t) | ast.AsyncFor(target=t)
+            ):
+                return [t]
+            case ast.With(items=items) | ast.AsyncWith(items=items):
+                return [i.optional_vars for i in items if i.optional_vars is not None]
+            case ast.ClassDef(name=name):
+                return [ast.Name(id=name, ctx=ast.Store())]
+        return []
+
+    def _forget(self, target: ast.AST) -> None:
+        for node in ast.walk(target):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                self.env.pop(node.id, None)
+
+    def _import(self, stmt: ast.stmt, alias: ast.alias) -> None:
+        try:
+            module = importlib.import_module(alias.name)
+        except ImportError as e:
+            self.problems.append(f"line {stmt.lineno}: import {alias.name}: {e}")
+            return
+        if alias.asname:
+            self.env[alias.asname] = module
+        else:
+            top = alias.name.split(".")[0]
+            self.env[top] = sys.modules[top]
+
+    def _import_from(self, stmt: ast.stmt, module_name: str, names: list[ast.alias]) -> None:
+        for a in names:
+            try:
+                self.env[a.asname or a.name] = import_from(module_name, a.name)
+            except (ImportError, LookupError) as e:
+                self.problems.append(f"line {stmt.lineno}: from {module_name} import {a.name}: {e}")
+                self.env.pop(a.asname or a.name, None)
+
+    def _made(self, value: ast.expr) -> Instance | None:
+        if isinstance(value, ast.Call) and inspect.isclass(cls := self._resolve(value.func, report=False)):
+            return Instance(cls)
+        return None
+
+    # expressions
+    def _expr_list(self, exprs: list[ast.expr]) -> None:
+        for e in exprs:
+            self._expr(e)
+
+    def _expr(self, expr: ast.expr) -> None:
+        """Check every attribute chain and call in `expr` once (outermost first)."""
+        seen: set[int] = set()
+        for node in ast.walk(expr):
+            if id(node) in seen:
+                continue
+            if isinstance(node, ast.Call):
+                self._call(node)
+            if isinstance(node, ast.Attribute):
+                self._resolve(node, report=True)
+                inner = node.value
+                while isinstance(inner, ast.Attribute):  # `jm.a.b` checks `jm.a` on the way
+                    seen.add(id(inner))
+                    inner = inner.value
+
+    def _resolve(self, node: ast.expr, report: bool) -> Any:
+        """The object an expression names, if it is a tracked name or an attribute chain on one."""
+        if isinstance(node, ast.Name):
+            return self.env.get(node.id)
+        if not isinstance(node, ast.Attribute):
+            return None
+        base = self._resolve(node.value, report)
+        text = ast.unparse(node)
+        try:
+            if isinstance(base, types.ModuleType):
+                return public_attribute(base, node.attr)
+            if isinstance(base, Instance):
+                if _has_member(base.cls, node.attr):
+                    static = inspect.getattr_static(base.cls, node.attr, None)
+                    methods = types.FunctionType | staticmethod | classmethod
+                    return _BoundMember(base.cls, node.attr) if isinstance(static, methods) else None
+                if _checks_fields(base.cls):
+                    raise LookupError(f"{base.cls.__qualname__} has no attribute {node.attr!r}")
+                return None
+            if base is not None and not isinstance(base, _BoundMember):
+                if not hasattr(base, node.attr):
+                    raise LookupError(
+                        f"{getattr(base, '__qualname__', base)!r} has no attribute {node.attr!r}"
+                    )
+                return getattr(base, node.attr)
+        except LookupError as e:
+            if report:
+                self.problems.append(f"line {node.lineno}: {text}: {e}")
+        return None
+
+    def _call(self, call: ast.Call) -> None:
+        target = self._resolve(call.func, report=False)
+        if not (isinstance(target, _BoundMember) or callable(target)):
+            return
+        if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+            return
+        try:
+            signature, self_arg = _signature(target)
+        except (TypeError, ValueError):
+            return  # a builtin or C callable without a signature
+        args = [object()] * (self_arg + len(call.args))
+        try:
+            signature.bind(*args, **{k.arg: object() for k in call.keywords if k.arg})
+        except TypeError as e:
+            self.problems.append(f"line {call.lineno}: {ast.unparse(call.func)}(...): {e}")
+
+
+@dataclass(frozen=True)
+class _BoundMember:
+    """`instance.method`, for checking a call against the method's signature."""
+
+    cls: type
+    name: str
+
+
+def _signature(target: Any) -> tuple[inspect.Signature, int]:
+    """The signature to bind a call against, and how many leading `self` arguments to supply."""
+    if isinstance(target, _BoundMember):
+        static = inspect.getattr_static(target.cls, target.name)
+        if isinstance(static, staticmethod | classmethod):
+            return inspect.signature(getattr(target.cls, target.name)), 0
+        return inspect.signature(static), 1
+    return inspect.signature(target), 0
+
+
+def api_problems(block: Block) -> list[str]:
+    checker = ApiChecker()
+    for b in BY_FILE[block.path][: block.index]:
+        checker.check_block(b)  # earlier blocks only bind names here; their own problems are theirs
+    return checker.check_block(block)
+
+
+# -- tests without the model -------------------------------------------------------------------------
+def test_blocks_are_found() -> None:
+    """The docs have Python blocks (a broken fence parser would make every other test vacuous)."""
+    assert len(BLOCKS) >= 5 and {"README.md", "docs/ruler.md"} <= set(BY_FILE)
+
+
+def test_tables_name_existing_blocks() -> None:
+    """Every entry of READER_NAMES and EXTERNAL matches exactly one block: no stale entries."""
+    for table in (READER_NAMES, EXTERNAL):
+        for path, text in table:
+            matches = [b.id for b in BY_FILE.get(path, []) if text in b.source]
+            assert len(matches) == 1, f"the {path} block with {text!r}: matches {matches}"
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)
+def test_block_compiles(block: Block) -> None:
+    compile("\n" * block.line + block.source, block.path, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)
+def test_block_names_exist(block: Block) -> None:
+    """What the block imports, names on `jm.` and calls on the objects it builds exists as written."""
+    problems = api_problems(block)
+    assert not problems, f"{block.id}:\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)
+def test_block_uses_only_listed_reader_names(block: Block) -> None:
+    """A runnable block defines everything it uses; a sketch uses exactly its listed reader names."""
+    key = block.key_in(READER_NAMES)
+    expected = READER_NAMES[key] if key else set()
+    assert undefined_names(block) == expected, (
+        f"{block.id} uses names that neither it nor an earlier block of {block.path} defines; "
+        f"expected exactly READER_NAMES[{key}] = {sorted(expected)}"
+    )
+    if block.runnable:
+        missing = undefined_names(block, only_runnable_before=True)
+        assert not missing, f"{block.id} runs, but needs {sorted(missing)} from a block that does not run"
+
+
+# inline code spans in prose: `jm.X(...)`, `journeyman.a.b`, `from journeyman.x import Y`
+_INLINE = re.compile(r"`([^`\n]+)`")
+_DOTTED = re.compile(r"(?<![\w./-])(jm|journeyman)((?:\.[A-Za-z_]\w*)+)")
+_FROM_IMPORT = re.compile(r"\bfrom\s+(journeyman[\w.]*)\s+import\s+([\w\s,]+)")
+_REPO_PATH = re.compile(r"(?<![\w./-])((?:examples|bench|docs|packages)/[\w./-]*\w)")
+
+
+def prose_problems(doc: Path) -> list[str]:
+    import journeyman
+
+    text = doc.read_text()
+    _, prose = split_markdown(text)
+    problems: list[str] = []
+    for span in _INLINE.findall(prose):
+        for _, chain in _DOTTED.findall(span):
+            obj: Any = journeyman
+            done = "journeyman"
+            for part in chain.strip(".").split("."):
+                try:
+                    if isinstance(obj, types.ModuleType):
+                        obj = public_attribute(obj, part)
+                    elif not hasattr(obj, part):
+                        raise LookupError(f"{done} has no attribute {part!r}")
+                    else:
+                        obj = getattr(obj, part)
+                except LookupError as e:
+                    problems.append(f"`{span}`: {e}")
+                    break
+                done += f".{part}"
+        for module_name, names in _FROM_IMPORT.findall(span):
+            for name in (n.strip() for n in names.split(",") if n.strip()):
+                try:
+                    import_from(module_name, name)
+                except (ImportError, LookupError) as e:
+                    problems.append(f"`{span}`: {e}")
+    for path in sorted(set(_REPO_PATH.findall(text))):
+        if not (ROOT / path).exists():
+            problems.append(f"{path}: no such file or directory")
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_prose_references_exist(doc: Path) -> None:
+    """Inline `jm.X`, `journeyman.a.b`, `from journeyman.x import Y` in the prose are public; the
+    repository paths the file mentions exist."""
+    problems = prose_problems(doc)
+    assert not problems, f"{doc.relative_to(ROOT)}:\n  " + "\n  ".join(problems)
+
+
+# -- running the runnable blocks -----------------------------------------------------------------------
+def _subprocess_env() -> dict[str, str]:
+    # One torch thread: a thread per core beside any other busy process makes them wait on each
+    # other at every op (see test_examples.py). SIGABRT on timeout prints where every thread is.
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONFAULTHANDLER="1",
+    )
+    # The Agents SDK exports traces to OpenAI when a key is set; the Langfuse exporter reads these.
+    for var in ("OPENAI_API_KEY", "LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_BASE_URL"):
+        env.pop(var, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def run_doc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], dict[str, Any]]]:
+    """Runs a file's runnable blocks once (in a subprocess); returns {block id: result}."""
+    done: dict[str, dict[str, Any]] = {}
+
+    def run(path: str) -> dict[str, Any]:
+        if path not in done:
+            work = tmp_path_factory.mktemp("doc-blocks")
+            blocks = [
+                {"id": b.id, "path": str(ROOT / b.path), "line": b.line, "source": b.source}
+                for b in BY_FILE[path]
+                if b.runnable
+            ]
+            (work / "blocks.json").write_text(json.dumps(blocks))
+            results = work / "results.json"
+            proc = subprocess.Popen(
+                [sys.executable, str(RUNNER), str(work / "blocks.json"), str(results)],
+                cwd=work,
+                env=_subprocess_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)
+                out, err = proc.communicate()
+                out = f"timed out after {RUN_TIMEOUT_S} s\n{out}"
+            output = out + err
+            done[path] = {
+                "results": json.loads(results.read_text()) if results.exists() else {},
+                "output": output[-4000:],
+            }
+        return done[path]
+
+    yield run
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.runnable], ids=lambda b: b.id)
+def test_block_runs(block: Block, run_doc: Callable[[str], dict[str, Any]]) -> None:
+    """The block runs as written against the embedded model, after the runnable blocks before it."""
+    ran = run_doc(block.path)
+    result = ran["results"].get(block.id)
+    assert result is not None, f"{block.id} did not run (an earlier block failed?); output:\n{ran['output']}"
+    assert result["ok"], f"{block.id} failed after {result['seconds']:.0f} s:\n{result['error']}"
