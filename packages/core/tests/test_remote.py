@@ -137,6 +137,12 @@ async def test_rollouts_captures_and_a_train_step_through_the_server(server: Ser
     assert [h["split"] for h in history] == ["train", "val"] and history[1]["val/reward_sem"] == 0.1
     await model.serve_step(0)
     await model.serve_step(1)
+    # RULER's judge="local" is the server's model, found through the backend (bearer token and all)
+    scored = await jm.ruler_score_group(
+        groups[0], judge="local", config=jm.RulerConfig(explanation_chars=4, use_cache=False)
+    )
+    assert scored.metadata["ruler"]["judge"] == "local:remote@1"
+    assert all(0 <= t.reward <= 1 for t in scored.trajectories)
 
 
 def _train_body(groups: list[jm.TrajectoryGroup], key: str) -> bytes:
