@@ -39,7 +39,9 @@ def _weather_agent(**settings: Any) -> Agent[Any]:
         tools=[get_weather],
         # the 135M model rarely calls tools on its own: force the first call (grammar-constrained);
         # reset_tool_choice (the SDK default) lets the next turn answer freely.
-        model_settings=ModelSettings(tool_choice="required", max_tokens=40, **settings),
+        # 64, not 40: the forced call's free-text argument can run long at temperature 1, and a streamed
+        # Responses run that hits max_tokens ends `response.incomplete`, which the SDK raises on.
+        model_settings=ModelSettings(tool_choice="required", max_tokens=64, **settings),
     )
 
 
