@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -158,8 +159,13 @@ async def test_step_checkpoint_serve_resume_and_prune(tmp_path: Path) -> None:
     )
     groups = await _groups(model2)
     _force_signal(groups)
-    assert (await model2.train(groups)).step == 2
-    assert await model2.delete_checkpoints("val/reward") == []  # step 1 is best (the only val), step 2 latest
+    # two concurrent steps with different keys run one after the other, never both from step 1
+    both = await asyncio.gather(
+        model2.train(groups, idempotency_key="first"), model2.train(groups, idempotency_key="second")
+    )
+    assert sorted(r.step for r in both) == [2, 3]
+    # step 1 is best (the only val), step 3 latest: step 2 goes
+    assert await model2.delete_checkpoints("val/reward") == [2]
 
     # an older checkpoint served for an eval: exactly its weights, the base model at 0, no training on it
     policy2 = backend2.service(model2).policy
@@ -174,9 +180,9 @@ async def test_step_checkpoint_serve_resume_and_prune(tmp_path: Path) -> None:
         await model2.train(groups)
     assert refused.value.field == "step"
     with pytest.raises(jm.InvalidFieldError) as out_of_range:
-        await model2.serve_step(3)
-    assert out_of_range.value.field == "step" and "0..2" in str(out_of_range.value)
-    await model2.serve_step(2)
+        await model2.serve_step(4)
+    assert out_of_range.value.field == "step" and "0..3" in str(out_of_range.value)
+    await model2.serve_step(3)
     assert all(torch.equal(a, b) for a, b in zip(latest, policy2.trainable_parameters(), strict=True))
     backend2.close()
 

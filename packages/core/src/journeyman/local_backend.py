@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +72,9 @@ class _Service:
     server: ServerThread
     store: RunStore
     trainer: GRPOTrainer
+    # one step (or step switch) at a time per model: two concurrent train calls would both read
+    # step N and both write checkpoint N+1
+    step_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class LocalBackend:
@@ -186,6 +189,11 @@ class LocalBackend:
 
     async def serve_step(self, model: ModelConfig, step: int) -> None:
         s = self.service(model)
+        async with s.step_lock:
+            await self._serve_step(s, step)
+
+    @staticmethod
+    async def _serve_step(s: _Service, step: int) -> None:
         latest = s.store.latest_step()
         if not 0 <= step <= latest:
             raise InvalidFieldError("step", step, f"the run at {s.store.root} has steps 0..{latest}")
@@ -225,6 +233,18 @@ class LocalBackend:
         groups = _check_groups(groups)
         if idempotency_key is not None:
             check_name("idempotency_key", idempotency_key)
+        async with s.step_lock:
+            return await self._train(s, model, groups, config, idempotency_key, on_progress)
+
+    async def _train(
+        self,
+        s: _Service,
+        model: ModelConfig,
+        groups: list[TrajectoryGroup],
+        config: TrainConfig,
+        idempotency_key: str | None,
+        on_progress: Callable[[int, int], None] | None,
+    ) -> TrainResult:
         if idempotency_key is not None and (done := s.store.request_result(idempotency_key)) is not None:
             return TrainResult.model_validate(done)
         step = s.store.latest_step()
