@@ -73,6 +73,9 @@ READER_NAMES: dict[tuple[str, str], set[str]] = {
 }
 # Blocks that need a service this machine lacks: block -> that service. Compiled and checked, not run.
 EXTERNAL: dict[tuple[str, str], str] = {
+    ("README.md", 'base_model="/models/Qwen3-8B"'): (
+        "a Qwen3 checkpoint on disk (the families themselves: packages/core/tests/test_families.py)"
+    ),
     ("README.md", "jm.RemoteBackend("): (
         "a `journeyman serve` server on 127.0.0.1:7800 and its $JOURNEYMAN_TOKEN"
         " (RemoteBackend itself: packages/core/tests/test_remote.py)"

@@ -17,7 +17,6 @@ from agents import Agent, ModelSettings, RunConfig, function_tool, handoff
 from agents.items import ToolCallItem
 from agents.tracing import Span, Trace, TracingProcessor, add_trace_processor
 from journeyman import History, TokenRecord, Trajectory
-from journeyman.chat_format import parse_completion
 from journeyman.responses_api import chat_messages
 from journeyman_agents import TrainableRunner
 from journeyman_agents._tracing import _key_from_output
@@ -65,10 +64,11 @@ def _check_exact(backend: Any, model: Any, history: History) -> list[TokenRecord
 
 
 def _decoded_call(backend: Any, model: Any, rec: TokenRecord) -> tuple[str, dict[str, Any]]:
-    text = backend.service(model).chat_format.decode(rec.token_ids)
-    _, calls = parse_completion(text)
+    fmt = backend.service(model).chat_format
+    text = fmt.completion_text(rec.token_ids)
+    calls = fmt.parse(text).tool_calls
     assert len(calls) == 1, text
-    return calls[0]["function"]["name"], json.loads(calls[0]["function"]["arguments"])
+    return calls[0]["name"], json.loads(calls[0]["arguments"])
 
 
 def _decoded_text(backend: Any, model: Any, rec: TokenRecord) -> str:

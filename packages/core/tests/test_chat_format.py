@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from journeyman.chat_format import SampledTurns, parse_completion
+from journeyman.chat_format import SampledTurns
 from journeyman.errors import InvalidFieldError
 from journeyman.messages import normalize_messages
 
@@ -43,10 +43,10 @@ def test_tools_render_into_system_turn_and_calls_round_trip(chat_format) -> None
     assert text.endswith("<|im_start|>assistant\n")
     # the rendered assistant turn parses back into the same call
     body = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
-    content, calls = parse_completion(body)
-    assert content is None
-    assert calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    turn = chat_format.parse(body)
+    assert turn.content is None
+    assert turn.tool_calls[0]["name"] == "get_weather"
+    assert json.loads(turn.tool_calls[0]["arguments"]) == {"city": "Paris"}
 
 
 def test_without_tools_matches_the_models_own_template(chat_format) -> None:
@@ -71,17 +71,21 @@ def test_rendering_is_prefix_stable(chat_format) -> None:
         )
 
 
-def test_malformed_tool_calls_stay_content() -> None:
+def test_malformed_tool_calls_stay_content(chat_format) -> None:
     for text in [
         "<tool_call>{not json</tool_call>",
         '<tool_call>{"arguments": {}}</tool_call>',
         "<tool_call>unclosed",
     ]:
-        assert parse_completion(text) == (text, [])
-    content, calls = parse_completion(
-        'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+        turn = chat_format.parse(text)
+        assert (turn.content, turn.tool_calls) == (text, [])
+    turn = chat_format.parse('Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>')
+    assert turn.content == "Sure." and turn.tool_calls == [{"name": "f", "arguments": '{"x": 1}'}]
+    # offered no tools, call-like text is the answer
+    assert (
+        chat_format.parse('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', tools=False).tool_calls
+        == []
     )
-    assert content == "Sure." and calls[0]["function"]["arguments"] == '{"x": 1}'
 
 
 def test_splices_sampled_ids_for_earlier_assistant_turns(chat_format) -> None:
@@ -112,10 +116,10 @@ def test_same_call_text_with_other_ids_splices_each_rollouts_own_ids(chat_format
     turns = SampledTurns()
     turns.add(None, a, [1, 2, 3])
     turns.add(None, b, [4, 5, 6])
-    assert turns.get(None, a) == [1, 2, 3] and turns.get(None, b) == [4, 5, 6]
+    assert turns.get(None, a).token_ids == [1, 2, 3] and turns.get(None, b).token_ids == [4, 5, 6]
     # a framework that renamed the ids falls back to the text (the latest sample of it)
     renamed = [{"id": "call_x", "type": "function", "function": call}]
-    assert turns.get(None, renamed) == [4, 5, 6]
+    assert turns.get(None, renamed).token_ids == [4, 5, 6]
     # same ids but edited arguments: the ids no longer describe this text, nothing is spliced
     edited = [{"id": "call_a", "type": "function", "function": {**call, "arguments": "{}"}}]
     assert turns.get(None, edited) is None

@@ -9,7 +9,6 @@ import httpx
 import journeyman as jm
 import openai
 import pytest
-from journeyman.chat_format import parse_completion
 
 pytestmark = pytest.mark.integration
 
@@ -73,11 +72,12 @@ async def test_three_turn_tool_trajectory_is_token_exact(served) -> None:
     traj.messages_and_choices.append(second.choices[0])
 
     rec1, rec2 = traj.records()
-    tok = backend.service(model).chat_format.tokenizer
+    fmt = backend.service(model).chat_format
+    tok = fmt.tokenizer
     # the sampled ids decode to exactly what the assistant said
-    content, parsed = parse_completion(tok.decode(rec1.token_ids, skip_special_tokens=True))
-    assert content == call.message.content
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed] == [
+    turn = fmt.parse(fmt.completion_text(rec1.token_ids))
+    assert turn.content == call.message.content
+    assert [(c["name"], json.loads(c["arguments"])) for c in turn.tool_calls] == [
         (tool_call.function.name, json.loads(tool_call.function.arguments))
     ]
     assert tok.decode(rec2.token_ids, skip_special_tokens=True) == second.choices[0].message.content

@@ -19,6 +19,7 @@ def test_public_names() -> None:
         "CAPTURE_HEADER",
         "Capture",
         "CapturedCall",
+        "ChatTemplateError",
         "DEFAULT_BASE_MODEL",
         "EmptyGroupError",
         "History",

@@ -23,7 +23,6 @@ import journeyman as jm
 import jsonschema
 import pytest
 from journeyman import tasks
-from journeyman.chat_format import parse_completion
 from journeyman.demo import run_demo
 from journeyman.engine import vllm_env
 from journeyman.engine.vllm_engine import VLLMEngine
@@ -290,10 +289,10 @@ async def test_tool_trajectory_through_vllm_is_token_exact(vllm_served) -> None:
     traj.messages_and_choices.append(second.choices[0])
 
     rec1, rec2 = traj.records()
-    tok = backend.service(model).chat_format.tokenizer
-    content, parsed = parse_completion(tok.decode(rec1.token_ids, skip_special_tokens=True))
-    assert content == call.message.content
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed] == [
+    fmt = backend.service(model).chat_format
+    turn = fmt.parse(fmt.completion_text(rec1.token_ids))
+    assert turn.content == call.message.content
+    assert [(c["name"], json.loads(c["arguments"])) for c in turn.tool_calls] == [
         (tool_call.function.name, json.loads(tool_call.function.arguments))
     ]
     # the second prompt holds the first call's sampled ids verbatim (spliced, not re-rendered)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from .chat_families import family_named
 from .errors import InvalidFieldError, OwnErrorsModel
 
 DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
@@ -45,11 +46,21 @@ class ModelConfig(OwnErrorsModel):
     )
     lora: LoraConfig = Field(default_factory=LoraConfig)
     max_tokens: int = Field(default=1024, ge=1, description="default max_tokens for requests that set none")
+    chat_format: str | None = Field(
+        default=None,
+        description="model family for tool calls and reasoning (hermes, qwen3, llama3, mistral, gemma3); "
+        "None detects it from the chat template",
+    )
 
     @field_validator("name", "project")
     @classmethod
     def _safe(cls, v: str, info: Any) -> str:
         return check_name(info.field_name, v)
+
+    @field_validator("chat_format")
+    @classmethod
+    def _family(cls, v: str | None) -> str | None:
+        return v if v is None else family_named(v).name
 
 
 class TrainConfig(BaseModel):

@@ -20,13 +20,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .capture import CapturedCall, Captures
-from .chat_format import (
-    TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN,
-    ChatFormat,
-    SampledTurns,
-    parse_completion,
-)
+from .chat_families import ChatFamily
+from .chat_format import ChatFormat, SampledTurns
 from .engine import Engine, Sample, SamplingParams
 from .errors import InvalidFieldError, UnknownModelError
 from .messages import normalize_messages
@@ -56,10 +51,14 @@ class ChatCompletionRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's name: e.g. {"enable_thinking": false}
 
 
-def _tool_call_schema(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None) -> str | None:
-    """The JSON schema a forced tool call must match, or None when the model may answer freely.
+def _tool_call_schema(
+    tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, family: ChatFamily
+) -> str | None:
+    """The JSON schema a forced tool call must match (in the family's call shape), or None when the
+    model may answer freely.
 
     `tool_choice="required"` allows any listed tool; `{"type": "function", "function": {"name": n}}`
     only `n`. Decoding is then constrained, so even a small model emits a well-formed call.
@@ -78,21 +77,13 @@ def _tool_call_schema(tools: list[dict[str, Any]] | None, choice: str | dict[str
         picked = tools
     else:
         raise InvalidFieldError("tool_choice", choice, "use auto, none, required or a named function")
-    options = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t["function"]["name"]},
-                "arguments": t["function"].get("parameters") or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-        }
-        for t in picked
-    ]
+    options = [family.call_schema(t) for t in picked]
     return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
 
 
-def _sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+def _sampling_params(
+    req: ChatCompletionRequest, default_max_tokens: int, family: ChatFamily
+) -> SamplingParams:
     checks = [
         ("n", req.n, req.n >= 1 and req.n <= 128, "must be between 1 and 128"),
         (
@@ -116,8 +107,8 @@ def _sampling_params(req: ChatCompletionRequest, default_max_tokens: int) -> Sam
     if max_tokens < 1:
         raise InvalidFieldError("max_tokens", max_tokens, "must be >= 1")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    schema = _tool_call_schema(req.tools, req.tool_choice)
-    prefix, suffix = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE) if schema is not None else ("", "")
+    schema = _tool_call_schema(req.tools, req.tool_choice, family)
+    prefix, suffix = (family.call_open, family.call_close) if schema is not None else ("", "")
     if req.response_format is not None and schema is not None:
         raise InvalidFieldError(
             "response_format", req.response_format, "cannot be combined with a forced tool_choice"
@@ -183,9 +174,11 @@ class Endpoint:
             raise InvalidFieldError(field, err.get("input"), err["msg"]) from e
         if req.model not in self.served_names():
             raise UnknownModelError(req.model, self.served_names())
-        params = _sampling_params(req, self.default_max_tokens)
+        params = _sampling_params(req, self.default_max_tokens, self.chat_format.family)
         messages = normalize_messages(req.messages)
-        prompt_ids, spliced = self.chat_format.prompt_ids(messages, req.tools, self.sampled)
+        prompt_ids, spliced = self.chat_format.prompt_ids(
+            messages, req.tools, self.sampled, template_kwargs=req.chat_template_kwargs
+        )
         return req, params, messages, prompt_ids, spliced
 
     def _respond(
@@ -202,8 +195,13 @@ class Endpoint:
         self.completions += 1
         name = f"{self.model_name}@{self.engine.step}"
         choices = []
+        fmt = self.chat_format
         for i, s in enumerate(samples):
-            content, calls = parse_completion(s.text) if req.tools else (s.text, [])
+            # the engine's text is cut at a stop string; otherwise read the ids with their markers
+            text = s.text if params.stop else fmt.completion_text(s.token_ids)
+            turn = fmt.parse(text, tools=bool(req.tools))
+            content, reasoning = turn.content, turn.reasoning
+            calls = [{"id": fmt.family.call_id(), "type": "function", "function": c} for c in turn.tool_calls]
             finish = "tool_calls" if calls else s.finish_reason
             record = TokenRecord(
                 prompt_token_ids=prompt_ids,
@@ -214,8 +212,10 @@ class Endpoint:
                 finish_reason=finish,
                 spliced_turns=spliced,
             )
-            self.sampled.add(content, calls, s.token_ids)
+            self.sampled.add(content, calls, s.token_ids, reasoning)
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = calls
             choices.append(
@@ -282,6 +282,8 @@ def _chunks(response: dict[str, Any], include_usage: bool) -> AsyncIterator[str]
         for c in response["choices"]:
             i, msg = c["index"], c["message"]
             deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+            if msg.get("reasoning_content"):
+                deltas.append({"reasoning_content": msg["reasoning_content"]})
             if msg.get("content"):
                 deltas.append({"content": msg["content"]})
             for k, call in enumerate(msg.get("tool_calls", [])):

@@ -37,6 +37,10 @@ class BaseModelNotFoundError(JourneymanError, FileNotFoundError):
     """`base_model` is neither the embedded model, a local directory, nor reachable on a hub."""
 
 
+class ChatTemplateError(JourneymanError, ValueError):
+    """A tokenizer has no chat template, or its template cannot render the conversation asked of it."""
+
+
 class EmptyGroupError(InvalidFieldError):
     """A TrajectoryGroup was built with no trajectories."""
 
@@ -113,6 +117,7 @@ __all__ = [
     "AuthenticationError",
     "BackendUnavailableError",
     "BaseModelNotFoundError",
+    "ChatTemplateError",
     "EmptyGroupError",
     "InvalidFieldError",
     "JourneymanError",

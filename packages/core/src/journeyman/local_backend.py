@@ -124,7 +124,7 @@ class LocalBackend:
 
         weights = resolve_base_model(model.base_model)
         policy = LoraPolicy(weights, model.lora, device=self.device, dtype=self.dtype)
-        chat_format = ChatFormat(policy.tokenizer)
+        chat_format = ChatFormat(policy.tokenizer, family=model.chat_format)
         engine = self._make_engine(weights, policy, chat_format)
         endpoint = Endpoint(engine, chat_format, model.name, default_max_tokens=model.max_tokens)
         store = RunStore(self.run_dir(model))

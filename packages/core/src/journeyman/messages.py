@@ -91,6 +91,8 @@ def normalize_messages(messages: Sequence[Any]) -> list[Message]:
                 )
             if calls:
                 msg["tool_calls"] = calls
+            if isinstance(m.get("reasoning_content"), str):  # reasoning models' templates show it
+                msg["reasoning_content"] = m["reasoning_content"]
         elif role == "tool" and "tool_call_id" in m:
             msg["tool_call_id"] = m["tool_call_id"]
         if role != "assistant" and "content" not in m:

@@ -3,7 +3,11 @@
 A row is one token sequence. Consecutive calls of a history join one row when the later call's
 prompt starts with the row so far (`histories.extends`, the rule that also joins captured calls
 into histories: the endpoint splices sampled turns, so a multi-turn tool run is one row); a call
-that does not extend it starts a new row. Additional histories are rows of their own. Histories
+that does not extend it starts a new row: with a template that rewrites history (Qwen3 drops earlier
+reasoning, Mistral moves the tool list) that is every call whose prompt the rewrite changed, each
+trained on exactly the ids it was sampled from. Such rows share their prompt's start (system, tools,
+first turns), which the trainer runs once per micro-batch (`MIN_SHARED_PREFIX`); what they cost is
+the rest of each prompt run again. Additional histories are rows of their own. Histories
 with no token records (e.g. imported traces) are rendered with the chat template, their assistant
 turns trained as re-tokenised text (flagged, old logprobs unknown).
 """
@@ -73,36 +77,42 @@ def _rows_from_records(records: list[TokenRecord]) -> list[Row]:
     return rows
 
 
-def _row_from_messages(history: History, chat_format: ChatFormat) -> Row:
-    """Render a conversation without token records; assistant turns are trained as re-tokenised text."""
+def _rows_from_messages(history: History, chat_format: ChatFormat) -> list[Row]:
+    """Render a conversation without token records; assistant turns are trained as re-tokenised text.
+
+    Each assistant turn is what the template writes after its generation prompt, up to its stop
+    token; turns join one row while the template keeps earlier turns as they were (the same rule as
+    for records), else a new row starts.
+    """
     messages = normalize_messages(history.messages())
     tools = history.tools
-    row = Row(retokenized=True)
-    start = 1 if messages[0]["role"] == "system" else 0
-    prev = chat_format.render(messages[:start], tools, False)
-    row.extend(chat_format.encode(prev), trained=False)
-    for k in range(start, len(messages)):
+    stops = [chat_format.decode([i]) for i in chat_format.stop_ids]
+    rows: list[Row] = []
+    so_far: str | None = None
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = chat_format.render(messages[:k], tools, True)
         full = chat_format.render(messages[: k + 1], tools, False)
-        segment = full[len(prev) :]
-        if messages[k]["role"] == "assistant":
-            header = chat_format.render(messages[:k], tools, True)[len(prev) :]
-            end = segment.rfind(chat_format.eos_text) + len(chat_format.eos_text)
-            row.extend(chat_format.encode(header), trained=False)
-            row.extend(chat_format.encode(segment[len(header) : end]), trained=True)
-            row.extend(chat_format.encode(segment[end:]), trained=False)
+        if not full.startswith(prompt):
+            continue  # the template writes this turn unlike a sample (nothing honest to train)
+        turn = full[len(prompt) :]
+        end = max((turn.rfind(t) + len(t) for t in stops if t and t in turn), default=len(turn))
+        if so_far is not None and prompt.startswith(so_far):
+            rows[-1].extend(chat_format.encode(prompt[len(so_far) :]), trained=False)
         else:
-            row.extend(chat_format.encode(segment), trained=False)
-        prev = full
-    return row
+            rows.append(Row(retokenized=True))
+            rows[-1].extend(chat_format.encode(prompt), trained=False)
+        rows[-1].extend(chat_format.encode(turn[:end]), trained=True)
+        so_far = prompt + turn[:end]
+    return rows
 
 
 def history_rows(history: History, chat_format: ChatFormat) -> list[Row]:
     records = history.records()
     if records:
         return _rows_from_records(records)
-    if any(m.get("role") == "assistant" for m in history.messages()):
-        return [_row_from_messages(history, chat_format)]
-    return []
+    return _rows_from_messages(history, chat_format)
 
 
 def trajectory_rows(
