@@ -6,7 +6,7 @@ libraries load when a backend first serves a model.
 
 from .backend import Backend, Inference, current_backend
 from .capture import CAPTURE_HEADER, CapturedCall, capture_scope
-from .config import DEFAULT_BASE_MODEL, LoraConfig, ModelConfig, TrainConfig, TrainResult
+from .config import DEFAULT_BASE_MODEL, LoraConfig, ModelConfig, TrainConfig, TrainerConfig, TrainResult
 from .connect import open_backend
 from .engine.vllm_server import VLLMConfig
 from .errors import (
@@ -15,12 +15,14 @@ from .errors import (
     BaseModelNotFoundError,
     ChatTemplateError,
     EmptyGroupError,
+    EngineDownError,
     InvalidFieldError,
     JourneymanError,
     NoTrainableTokensError,
     ProtocolMismatchError,
     RemoteError,
     TooManyExceptionsError,
+    TrainerRankError,
     UnknownModelError,
 )
 from .gather import gather_trajectory_groups
@@ -41,6 +43,7 @@ __all__ = [
     "CapturedCall",
     "ChatTemplateError",
     "EmptyGroupError",
+    "EngineDownError",
     "History",
     "Inference",
     "InvalidFieldError",
@@ -60,6 +63,8 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "TrainableModel",
+    "TrainerConfig",
+    "TrainerRankError",
     "Trajectory",
     "TrajectoryGroup",
     "UnknownModelError",

@@ -80,6 +80,9 @@ def demo(
         str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
     ] = None,
     token: Annotated[str | None, typer.Option(help="the server's token (default: $JOURNEYMAN_TOKEN)")] = None,
+    world_size: Annotated[
+        int, typer.Option(help="data-parallel trainer ranks (this process and world_size - 1 workers)")
+    ] = 1,
 ) -> None:
     """Train the embedded model on the CPU for a few minutes on a built-in task, and show that it learned."""
     from tqdm.auto import tqdm
@@ -107,6 +110,7 @@ def demo(
             eval_prompts=eval_prompts,
             on_step=on_step,
             backend=open_backend(backend, token=token, path=path) if backend else None,
+            world_size=world_size,
         )
     )
     bar.close()

@@ -6,6 +6,7 @@ and `import journeyman` stays light.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Literal
 
@@ -125,6 +126,31 @@ class TrainConfig(BaseModel):
         return self
 
 
+class TrainerConfig(BaseModel):
+    """How many processes train, and how they talk (the trainer's side of scale-out)."""
+
+    world_size: int = Field(default=1, ge=1, description="data-parallel ranks, this process included")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto", description="collectives: gloo on CPU, nccl on CUDA (auto picks by device)"
+    )
+    timeout_s: float = Field(default=1800.0, gt=0, description="longest wait for a rank in one step")
+    master_addr: str | None = Field(
+        default=None, description="torchrun's store (MASTER_ADDR); None spawns the ranks on this machine"
+    )
+    master_port: int | None = None
+    rank: int = Field(default=0, ge=0, description="this process's rank (0 is the backend)")
+
+    @classmethod
+    def from_env(cls) -> TrainerConfig:
+        """The settings torchrun gives each process (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+        return cls(
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            rank=int(os.environ.get("RANK", "0")),
+            master_addr=os.environ.get("MASTER_ADDR"),
+            master_port=int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None,
+        )
+
+
 class TrainResult(BaseModel):
     step: int = Field(description="the policy step after this update")
     metrics: dict[str, float] = Field(default_factory=dict)
@@ -138,5 +164,6 @@ __all__ = [
     "ModelConfig",
     "TrainConfig",
     "TrainResult",
+    "TrainerConfig",
     "check_name",
 ]

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from . import tasks
 from .backend import Backend
-from .config import DEFAULT_BASE_MODEL, TrainConfig
+from .config import DEFAULT_BASE_MODEL, TrainConfig, TrainerConfig
 from .engine.vllm_server import VLLMConfig
 from .gather import gather_trajectory_groups
 from .local_backend import LocalBackend
@@ -77,11 +77,12 @@ async def run_demo(
     engine: str | VLLMConfig = "torch",
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     backend: Backend | None = None,
+    world_size: int = 1,
 ) -> DemoResult:
     """Evaluate, train, evaluate again; on `backend` (e.g. a `RemoteBackend`) when given, else on a
-    `LocalBackend` at `path` with `engine` that is closed at the end."""
+    `LocalBackend` at `path` with `engine` and `world_size` trainer ranks that is closed at the end."""
     own = backend is None
-    backend = backend or LocalBackend(path=path, engine=engine)
+    backend = backend or LocalBackend(path=path, engine=engine, trainer=TrainerConfig(world_size=world_size))
     model = TrainableModel(name=name, project=project, base_model=base_model or DEFAULT_BASE_MODEL)
     await model.register(backend)
     try:

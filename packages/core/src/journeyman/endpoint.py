@@ -138,6 +138,12 @@ def _sampling_params(
     )
 
 
+def affinity_key(messages: list[dict[str, Any]]) -> str:
+    """What a group's rollouts share: the conversation up to its first user turn (the scenario)."""
+    first = next((k for k, m in enumerate(messages) if m["role"] == "user"), len(messages) - 1)
+    return json.dumps(messages[: first + 1], sort_keys=True, default=str)
+
+
 class Endpoint:
     """Serves one trainable model (its current step) through an engine."""
 
@@ -176,6 +182,7 @@ class Endpoint:
             raise UnknownModelError(req.model, self.served_names())
         params = _sampling_params(req, self.default_max_tokens, self.chat_format.family)
         messages = normalize_messages(req.messages)
+        params.affinity = affinity_key(messages)
         prompt_ids, spliced = self.chat_format.prompt_ids(
             messages, req.tools, self.sampled, template_kwargs=req.chat_template_kwargs
         )

@@ -41,6 +41,14 @@ class ChatTemplateError(JourneymanError, ValueError):
     """A tokenizer has no chat template, or its template cannot render the conversation asked of it."""
 
 
+class TrainerRankError(JourneymanError, RuntimeError):
+    """A trainer rank died, did not start, or did not answer within `TrainerConfig.timeout_s`."""
+
+
+class EngineDownError(JourneymanError, RuntimeError):
+    """An engine (or engine replica) stopped; the requests it held fail with this instead of waiting."""
+
+
 class EmptyGroupError(InvalidFieldError):
     """A TrajectoryGroup was built with no trajectories."""
 
@@ -119,11 +127,13 @@ __all__ = [
     "BaseModelNotFoundError",
     "ChatTemplateError",
     "EmptyGroupError",
+    "EngineDownError",
     "InvalidFieldError",
     "JourneymanError",
     "NoTrainableTokensError",
     "ProtocolMismatchError",
     "RemoteError",
     "TooManyExceptionsError",
+    "TrainerRankError",
     "UnknownModelError",
 ]

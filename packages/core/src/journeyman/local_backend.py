@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .backend import Inference
 from .capture import CapturedCall
-from .config import ModelConfig, TrainConfig, TrainResult, check_name
+from .config import ModelConfig, TrainConfig, TrainerConfig, TrainResult, check_name
 from .errors import InvalidFieldError
 from .observe import GroupContext, emit
 from .store import RunStore
@@ -21,6 +21,7 @@ from .types import TrajectoryGroup
 if TYPE_CHECKING:
     from .adapter import LoraPolicy
     from .chat_format import ChatFormat
+    from .distributed import RankGroup
     from .endpoint import Endpoint, ServerThread
     from .engine import Engine
     from .engine.vllm_server import VLLMConfig
@@ -72,6 +73,7 @@ class _Service:
     server: ServerThread
     store: RunStore
     trainer: GRPOTrainer
+    ranks: RankGroup | None  # the other data-parallel trainer ranks, when there are any
     # one step (or step switch) at a time per model: two concurrent train calls would both read
     # step N and both write checkpoint N+1
     step_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -82,6 +84,8 @@ class LocalBackend:
 
     `engine="torch"` (default) samples in process from the weights the trainer updates.
     `engine="vllm"` (or a `VLLMConfig`) samples through a vLLM server process that hot-loads each step's adapter.
+    `trainer=TrainerConfig(world_size=N)` trains data-parallel on N ranks (`distributed.py`);
+    `engine_replicas=N` serves through N in-process torch engines (`engine/replicas.py`).
     """
 
     def __init__(
@@ -91,6 +95,8 @@ class LocalBackend:
         engine: str | VLLMConfig = "torch",
         device: str | None = None,
         dtype: str = "float32",
+        trainer: TrainerConfig | None = None,
+        engine_replicas: int = 1,
     ) -> None:
         if isinstance(engine, str):
             if engine not in ("torch", "vllm"):
@@ -101,6 +107,16 @@ class LocalBackend:
             self.engine_kind = engine
         else:
             self.vllm_config, self.engine_kind = engine, "vllm"
+        if engine_replicas < 1:
+            raise InvalidFieldError("engine_replicas", engine_replicas, "must be >= 1")
+        self.engine_replicas = engine_replicas
+        self.trainer_config = trainer or TrainerConfig()
+        if self.trainer_config.rank != 0:
+            raise InvalidFieldError(
+                "trainer.rank",
+                self.trainer_config.rank,
+                "rank 0 runs the backend; start the other ranks with `python -m journeyman.distributed`",
+            )
         self.path = Path(path)
         self.device = device
         self.dtype = dtype
@@ -137,8 +153,13 @@ class LocalBackend:
             engine.step = step
         else:
             store.write_state(0, base_model=model.base_model)
+        ranks = None
+        if self.trainer_config.world_size > 1:
+            from .distributed import RankGroup
+
+            ranks = RankGroup(self.trainer_config, weights, model.lora, policy, trainer, self.dtype)
         server = ServerThread(build_app(endpoint))
-        return _Service(model, policy, chat_format, engine, endpoint, server, store, trainer)
+        return _Service(model, policy, chat_format, engine, endpoint, server, store, trainer, ranks)
 
     def _make_engine(self, weights: Path, policy: LoraPolicy, chat_format: ChatFormat) -> Engine:
         """The engine named by `engine=`; each kind's module is imported only when chosen."""
@@ -155,7 +176,15 @@ class LocalBackend:
             )
         from .engine.torch_engine import TorchEngine
 
-        return TorchEngine(policy, chat_format.stop_ids)
+        if self.engine_replicas == 1:
+            return TorchEngine(policy, chat_format.stop_ids)
+        from .engine.replicas import ReplicatedEngine
+
+        # in-process replicas share the policy's weights (and its lock): the routing, affinity and
+        # failure handling of replicas, not more compute; vLLM's replicas are data_parallel_size
+        return ReplicatedEngine(
+            [TorchEngine(policy, chat_format.stop_ids) for _ in range(self.engine_replicas)]
+        )
 
     def service(self, model: ModelConfig | str) -> _Service:
         """The in-process parts serving `model` (engine, policy, chat format): for tests and benches."""
@@ -260,7 +289,8 @@ class LocalBackend:
         )
         await s.engine.sleep()
         try:
-            updated, metrics = await asyncio.to_thread(s.trainer.step, groups, config, on_progress)
+            run = s.ranks.step if s.ranks is not None else s.trainer.step
+            updated, metrics = await asyncio.to_thread(run, groups, config, on_progress)
         finally:
             await s.engine.wake()
         if not updated:
@@ -332,6 +362,8 @@ class LocalBackend:
         for s in self._services.values():
             s.server.stop()
             s.engine.close()
+            if s.ranks is not None:
+                s.ranks.close()
         self._services.clear()
 
     async def __aenter__(self) -> LocalBackend:

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from .capture import CAPTURE_HEADER
-from .errors import InvalidFieldError, UnknownModelError
+from .errors import EngineDownError, InvalidFieldError, UnknownModelError
 
 
 def error_response(
@@ -25,7 +25,7 @@ def error_response(
 async def handle_json(
     request: Request, handle: Callable[[dict[str, Any], str | None], Awaitable[Any]]
 ) -> Any:
-    """Parse a JSON-object body, run `handle(body, capture_id)`, map our errors to OpenAI's 404/400."""
+    """Parse a JSON-object body, run `handle(body, capture_id)`, map our errors to OpenAI's 404/400 (503: engine down)."""
     try:
         body = await request.json()
     except json.JSONDecodeError as e:
@@ -38,3 +38,5 @@ async def handle_json(
         return error_response(404, str(e), "model", "model_not_found")
     except InvalidFieldError as e:
         return error_response(400, str(e), e.field)
+    except EngineDownError as e:  # a 503 the client may retry: another replica (or a restart) serves it
+        return error_response(503, str(e), None, "engine_down")

@@ -25,10 +25,14 @@ from transformers import DynamicCache
 
 from .adapter import LoraPolicy, cache_kv
 from .chat_format import ChatFormat
+from .collective import Collective, balanced_share
 from .config import TrainConfig
 from .loss import group_advantages, policy_loss, token_logprobs
 from .tokenize import MIN_SHARED_PREFIX, Row, common_prefix_length, trajectory_rows
 from .types import TrajectoryGroup
+
+# what each micro-batch adds up (loss.policy_loss's metrics and the logprob gap): the same keys on every rank
+METRIC_KEYS = frozenset({"policy_loss", "clip_fraction", "kl", "ratio_mean", "engine_trainer_logprob_gap"})
 
 
 def build_rows(
@@ -135,10 +139,14 @@ class GRPOTrainer:
         groups: Sequence[TrajectoryGroup],
         config: TrainConfig,
         on_progress: Callable[[int, int], None] | None = None,
+        collective: Collective | None = None,
     ) -> tuple[bool, dict[str, float]]:
         """One optimizer step. Returns (updated, metrics); updated is False when there was no signal.
 
-        `on_progress(done, total)` is called after each micro-batch (from this thread)."""
+        `on_progress(done, total)` is called after each of this rank's micro-batches (from this
+        thread). With a `collective` (data-parallel ranks, `distributed.py`), every rank is given
+        the same groups, runs its share of the micro-batches, and the gradients and metric sums are
+        summed over the ranks before the one clipped AdamW step that every rank applies."""
         t0 = time.perf_counter()
         rows, metrics = build_rows(groups, self.chat_format, config)
         rewards = [t.reward for g in groups for t in g.trajectories]
@@ -156,6 +164,9 @@ class GRPOTrainer:
             totals: dict[str, float] = {}
             padded = 0
             batches = list(micro_batches(rows, config.micro_batch_tokens, shared_prefix_length(rows)))
+            if collective is not None:
+                sizes = [sum(len(r.input_ids) for r in b) for b in batches]
+                batches = [batches[i] for i in balanced_share(sizes, collective.rank, collective.world)]
             for i, batch in enumerate(batches):
                 out, n_pad = self._micro_step(batch, num_tokens, config)
                 if on_progress is not None:
@@ -163,6 +174,8 @@ class GRPOTrainer:
                 padded += n_pad
                 for k, v in out.items():
                     totals[k] = totals.get(k, 0.0) + v
+            if collective is not None:
+                totals, padded = self._sum_over_ranks(collective, totals, padded)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.policy.trainable_parameters(), config.max_grad_norm
             )
@@ -180,6 +193,20 @@ class GRPOTrainer:
         metrics["train_seconds"] = time.perf_counter() - t0
         _return_freed_memory()
         return True, metrics
+
+    def _sum_over_ranks(
+        self, collective: Collective, totals: dict[str, float], padded: int
+    ) -> tuple[dict[str, float], int]:
+        """Gradients and metric sums of every rank, summed (a rank with no micro-batch adds zeros)."""
+        params = self.policy.trainable_parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        keys = sorted(METRIC_KEYS | totals.keys())
+        sums = torch.tensor([totals.get(k, 0.0) for k in keys] + [float(padded)], dtype=torch.float64)
+        collective.all_reduce([p.grad for p in params if p.grad is not None])
+        collective.all_reduce([sums])
+        return dict(zip(keys, sums[:-1].tolist(), strict=True)), int(sums[-1])
 
     def _micro_step(
         self, batch: list[Row], num_tokens: int, config: TrainConfig

@@ -25,6 +25,9 @@ class SamplingParams(BaseModel):
     json_schema: str | None = Field(default=None, description="constrain the output to this JSON schema")
     json_prefix: str = Field(default="", description="literal text the constrained output starts with")
     json_suffix: str = Field(default="", description="literal text the constrained output ends with")
+    affinity: str | None = Field(
+        default=None, description="requests with the same key go to the same engine replica (a group)"
+    )
 
     @property
     def constraint(self) -> tuple[str, str, str] | None:

@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from ..adapter import LoraPolicy, cache_kv
+from ..errors import EngineDownError
 from ..tokenize import MIN_SHARED_PREFIX, common_prefix_length
 from .base import Engine, FinishReason, Sample, SamplingParams
 
@@ -66,6 +67,7 @@ class TorchEngine(Engine):
         self.prefix_computes = 0  # times a shared prompt prefix was prefilled (not found cached)
         self.prefix_tokens_saved = 0  # prompt tokens whose prefill a shared prefix spared
         self._served = 0
+        self._closed = False
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._grammars: Any = None
         self._grammars_lock = threading.Lock()
@@ -86,7 +88,11 @@ class TorchEngine(Engine):
             await asyncio.to_thread(lambda: self._grammar_cache().compile(constraint))
         loop = asyncio.get_running_loop()
         job = _Job(prompt_ids, params, loop, loop.create_future())
+        if self._closed:
+            raise EngineDownError("the in-process engine is closed")
         self._queue.put(job)
+        if self._closed and not self._thread.is_alive():  # closed while this was being queued
+            self._fail_queued([])
         return await job.future
 
     async def load_adapter(self, path: Path, step: int) -> None:
@@ -95,6 +101,8 @@ class TorchEngine(Engine):
         self.step = step
 
     def close(self) -> None:
+        """Stop the worker; requests still queued fail with EngineDownError instead of waiting."""
+        self._closed = True
         self._queue.put(None)
 
     # -- worker thread ---------------------------------------------------------------------------
@@ -104,6 +112,7 @@ class TorchEngine(Engine):
         while True:
             job = carry.pop(0) if carry else self._queue.get()
             if job is None:
+                self._fail_queued(carry)
                 return
             jobs, rows = [job], job.params.n
             deadline = time.monotonic() + self.batch_wait_s
@@ -129,6 +138,18 @@ class TorchEngine(Engine):
             for j, samples in zip(jobs, results, strict=True):
                 self._served += 1
                 j.loop.call_soon_threadsafe(_set_result, j.future, samples)
+
+    def _fail_queued(self, carry: list[_Job]) -> None:
+        down = EngineDownError("the in-process engine stopped before serving this request")
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                carry.append(job)
+        for j in carry:
+            j.loop.call_soon_threadsafe(_set_exception, j.future, down)
 
     @torch.inference_mode()
     def _run(self, jobs: list[_Job]) -> list[list[Sample]]:

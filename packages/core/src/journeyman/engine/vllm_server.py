@@ -79,6 +79,12 @@ class VLLMConfig(BaseModel):
     cpu_kvcache_gb: float = Field(
         default=2.0, gt=0.0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB"
     )
+    data_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="inference replicas inside one vLLM server (--data-parallel-size: one per GPU; "
+        "vLLM balances requests across them and loads each new adapter on every one)",
+    )
     startup_timeout_s: float = Field(
         default=600.0, gt=0.0, description="how long to wait for the server to become healthy"
     )
@@ -230,6 +236,8 @@ class VLLMServer:
             cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         if self.sleep_mode:
             cmd += ["--enable-sleep-mode"]
+        if c.data_parallel_size > 1:
+            cmd += ["--data-parallel-size", str(c.data_parallel_size)]
         return cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:

@@ -1,0 +1,89 @@
+"""Several engine replicas behind one endpoint: group affinity, least-loaded otherwise, dead ones out.
+
+The rollouts of one group share their conversation's start (system prompt, tools, the scenario's
+user turn), so the endpoint gives each request an affinity key made of it; a key always maps to
+the same live replica, whose prefix cache then serves the whole group. When that replica is busier
+than the least-loaded one by more than `max_skew` requests, the request goes to the least loaded.
+A replica whose request fails with `EngineDownError` is taken out of rotation: its in-flight
+requests fail with that error (an agent's rollout raises, counted by `max_exceptions`), the others
+continue; every new step's adapter is loaded on each live replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import EngineDownError
+from .base import Engine, Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class ReplicatedEngine(Engine):
+    def __init__(self, replicas: Sequence[Engine], max_skew: int = 8) -> None:
+        if not replicas:
+            raise ValueError("ReplicatedEngine needs at least one replica")
+        self.replicas = list(replicas)
+        self.max_skew = max_skew
+        self.in_flight = [0] * len(self.replicas)
+        self.down: set[int] = set()
+        self.routed = [0] * len(self.replicas)
+        self.step = self.replicas[0].step
+
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.replicas)) if i not in self.down]
+
+    def pick(self, affinity: str | None) -> int:
+        live = self.live()
+        if not live:
+            raise EngineDownError(f"all {len(self.replicas)} engine replicas are down")
+        least = min(live, key=lambda i: (self.in_flight[i], i))
+        if affinity is None:
+            return least
+        home = live[zlib.crc32(affinity.encode()) % len(live)]
+        return home if self.in_flight[home] <= self.in_flight[least] + self.max_skew else least
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+        i = self.pick(params.affinity)
+        self.in_flight[i] += 1
+        self.routed[i] += 1
+        try:
+            return await self.replicas[i].generate(prompt_ids, params)
+        except EngineDownError:
+            if i not in self.down:
+                self.down.add(i)
+                log.error("engine replica %d is down; %d replicas left", i, len(self.live()))
+            raise
+        finally:
+            self.in_flight[i] -= 1
+
+    async def load_adapter(self, path: Path, step: int) -> None:
+        live = self.live()
+        results = await asyncio.gather(
+            *(self.replicas[i].load_adapter(path, step) for i in live), return_exceptions=True
+        )
+        for i, res in zip(live, results, strict=True):
+            if isinstance(res, BaseException):
+                self.down.add(i)
+                log.error("engine replica %d could not load step %d (%s): out of rotation", i, step, res)
+        if not self.live():
+            raise EngineDownError(f"no engine replica could load the adapter of step {step}")
+        self.step = step
+
+    async def sleep(self) -> None:
+        await asyncio.gather(*(self.replicas[i].sleep() for i in self.live()))
+
+    async def wake(self) -> None:
+        await asyncio.gather(*(self.replicas[i].wake() for i in self.live()))
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.close()
+
+    @property
+    def requests_served(self) -> int:
+        return sum(r.requests_served for r in self.replicas)

@@ -1,0 +1,148 @@
+"""Data-parallel training on 2 gloo ranks (this process + a spawned worker) with the real model."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import journeyman as jm
+import pytest
+import torch
+from journeyman import tasks
+from journeyman.collective import balanced_share
+
+pytestmark = pytest.mark.integration
+
+
+def test_micro_batches_are_shared_by_tokens() -> None:
+    sizes = [900, 100, 500, 500, 300, 200]
+    shares = [balanced_share(sizes, r, 2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(6))
+    loads = [sum(sizes[i] for i in s) for s in shares]
+    assert abs(loads[0] - loads[1]) <= 100
+    assert balanced_share([5], 1, 2) == []  # a rank may get nothing: it adds zero gradients
+
+
+async def _register(path: Path, world_size: int) -> tuple[jm.LocalBackend, jm.TrainableModel]:
+    backend = jm.LocalBackend(path=path, trainer=jm.TrainerConfig(world_size=world_size))
+    model = jm.TrainableModel(name="m", project="p")
+    torch.manual_seed(0)  # the same LoRA initialisation in both runs
+    await model.register(backend)
+    return backend, model
+
+
+def _lora(backend: jm.LocalBackend, model: jm.TrainableModel) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in backend.service(model).policy.trainable_parameters()]
+
+
+async def test_two_ranks_step_like_one_and_resume_either_way(tmp_path: Path) -> None:
+    config = jm.TrainConfig(learning_rate=1e-3, micro_batch_tokens=64)  # several micro-batches to share
+    one, model1 = await _register(tmp_path / "one", 1)
+    client = model1.openai_client()
+    groups = await jm.gather_trajectory_groups(
+        (
+            jm.TrajectoryGroup(tasks.rollout(model1, client, s, max_tokens=12) for _ in range(4))
+            for s in tasks.scenarios("train", 2)
+        ),
+        pbar_desc=None,
+    )
+    for g in groups:
+        for i, t in enumerate(g.trajectories):
+            t.reward = float(i % 2)
+    start = _lora(one, model1)
+    single = await model1.train(groups, config=config)
+    w1 = _lora(one, model1)
+    one.close()
+
+    two, model2 = await _register(tmp_path / "two", 2)
+    assert all(torch.equal(a, b) for a, b in zip(start, _lora(two, model2), strict=True))
+    double = await model2.train(groups, config=config)
+    w2 = _lora(two, model2)
+    two.close()
+
+    assert single.step == double.step == 1
+    diff = max(float((a - b).abs().max()) for a, b in zip(w1, w2, strict=True))
+    moved = max(float((a - b).abs().max()) for a, b in zip(w1, start, strict=True))
+    assert diff < 1e-5 < moved, (diff, moved)
+    for key in ("policy_loss", "trained_tokens", "engine_trainer_logprob_gap", "grad_norm"):
+        assert double.metrics[key] == pytest.approx(single.metrics[key], rel=1e-4, abs=1e-7), key
+
+    # the 2-rank run resumes on 1 rank with its weights, and the 1-rank run on 2 ranks
+    again, model3 = await _register(tmp_path / "two", 1)
+    assert await model3.get_step() == 1
+    assert all(torch.equal(a, b) for a, b in zip(w2, _lora(again, model3), strict=True))
+    again.close()
+    wider, model4 = await _register(tmp_path / "one", 2)
+    try:
+        assert await model4.get_step() == 1
+        assert (await model4.train(groups, config=config)).step == 2
+        # a rank that dies is a named error at the next step, not a hang
+        ranks = wider.service(model4).ranks
+        assert ranks is not None
+        for p in ranks._procs:
+            p.kill()
+            p.join(timeout=10)
+        with pytest.raises(jm.TrainerRankError, match="exited"):
+            await model4.train(groups, config=config)
+        assert await model4.get_step() == 2
+    finally:
+        wider.close()
+
+
+async def test_two_replicas_serve_64_concurrent_requests_and_lose_one(tmp_path: Path) -> None:
+    import openai
+    from journeyman.endpoint import affinity_key
+    from journeyman.engine.replicas import ReplicatedEngine
+
+    backend = jm.LocalBackend(path=tmp_path, engine_replicas=2)
+    model = jm.TrainableModel(name="m", project="p")
+    await model.register(backend)
+    try:
+        service = backend.service(model)
+        engine = service.engine
+        assert isinstance(engine, ReplicatedEngine)
+        engine.max_skew = 64  # strict affinity, to see it
+        client = model.openai_client(max_retries=0)
+
+        def conversation(g: int) -> list[dict[str, str]]:
+            return [
+                {"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": f"Name fruit {g}."},
+            ]
+
+        homes = {g: engine.pick(affinity_key(conversation(g))) for g in range(8)}
+        assert set(homes.values()) == {0, 1}  # crc32 is fixed: these 8 groups land on both
+
+        async def ask(g: int, seed: int) -> openai.types.chat.ChatCompletion:
+            return await client.chat.completions.create(
+                model=model.name,
+                messages=conversation(g),
+                max_tokens=8,
+                temperature=1.0,
+                seed=seed,  # type: ignore[arg-type]
+            )
+
+        out = await asyncio.gather(*(ask(g, s) for g in range(8) for s in range(8)))
+        assert len(out) == 64 and engine.routed == [8 * list(homes.values()).count(r) for r in (0, 1)]
+        for c in out[::16]:  # token-exact: the trainer's logprobs of the recorded ids match
+            rec = jm.record_of(c.choices[0])
+            again = service.policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids)
+            assert max(abs(a - b) for a, b in zip(again, rec.logprobs, strict=True)) < 1e-3
+
+        # replica 1 dies: its next request fails with a 503 naming it, the rest go to replica 0
+        engine.replicas[1].close()
+        on_one = next(g for g, r in homes.items() if r == 1)
+        results = await asyncio.gather(*(ask(g, 100 + g) for g in range(8)), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert engine.down == {1} and 1 <= len(failed) <= list(homes.values()).count(1)
+        assert all(isinstance(f, openai.APIStatusError) and f.status_code == 503 for f in failed)
+        assert (await ask(on_one, 7)).choices[0].message.content is not None
+        groups = [
+            jm.TrajectoryGroup(
+                jm.Trajectory(messages_and_choices=[*conversation(0), c.choices[0]], reward=float(i % 2))
+                for i, c in enumerate(out[:8])
+            )
+        ]
+        assert (await model.train(groups)).step == 1 and engine.step == 1
+    finally:
+        backend.close()
