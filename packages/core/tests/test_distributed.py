@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import journeyman as jm
@@ -36,6 +37,9 @@ def _lora(backend: jm.LocalBackend, model: jm.TrainableModel) -> list[torch.Tens
 
 
 async def test_two_ranks_step_like_one_and_resume_either_way(tmp_path: Path) -> None:
+    """Step 2 on 2 ranks, resumed from a 1-rank step-1 checkpoint (adapter and AdamW state), gives
+    the weights step 2 on 1 rank gives; the 2-rank checkpoint resumes on 1 rank; a dead rank is a
+    named error, not a hang."""
     config = jm.TrainConfig(learning_rate=1e-3, micro_batch_tokens=64)  # several micro-batches to share
     one, model1 = await _register(tmp_path / "one", 1)
     client = model1.openai_client()
@@ -49,44 +53,40 @@ async def test_two_ranks_step_like_one_and_resume_either_way(tmp_path: Path) -> 
     for g in groups:
         for i, t in enumerate(g.trajectories):
             t.reward = float(i % 2)
-    start = _lora(one, model1)
+    assert (await model1.train(groups, config=config)).step == 1
+    shutil.copytree(tmp_path / "one", tmp_path / "two")  # the 1-rank run at step 1
+    w_step1 = _lora(one, model1)
     single = await model1.train(groups, config=config)
     w1 = _lora(one, model1)
     one.close()
 
     two, model2 = await _register(tmp_path / "two", 2)
-    assert all(torch.equal(a, b) for a, b in zip(start, _lora(two, model2), strict=True))
-    double = await model2.train(groups, config=config)
-    w2 = _lora(two, model2)
-    two.close()
-
-    assert single.step == double.step == 1
-    diff = max(float((a - b).abs().max()) for a, b in zip(w1, w2, strict=True))
-    moved = max(float((a - b).abs().max()) for a, b in zip(w1, start, strict=True))
-    assert diff < 1e-5 < moved, (diff, moved)
-    for key in ("policy_loss", "trained_tokens", "engine_trainer_logprob_gap", "grad_norm"):
-        assert double.metrics[key] == pytest.approx(single.metrics[key], rel=1e-4, abs=1e-7), key
-
-    # the 2-rank run resumes on 1 rank with its weights, and the 1-rank run on 2 ranks
-    again, model3 = await _register(tmp_path / "two", 1)
-    assert await model3.get_step() == 1
-    assert all(torch.equal(a, b) for a, b in zip(w2, _lora(again, model3), strict=True))
-    again.close()
-    wider, model4 = await _register(tmp_path / "one", 2)
     try:
-        assert await model4.get_step() == 1
-        assert (await model4.train(groups, config=config)).step == 2
-        # a rank that dies is a named error at the next step, not a hang
-        ranks = wider.service(model4).ranks
+        assert await model2.get_step() == 1
+        assert all(torch.equal(a, b) for a, b in zip(w_step1, _lora(two, model2), strict=True))
+        double = await model2.train(groups, config=config)
+        w2 = _lora(two, model2)
+        assert single.step == double.step == 2
+        diff = max(float((a - b).abs().max()) for a, b in zip(w1, w2, strict=True))
+        moved = max(float((a - b).abs().max()) for a, b in zip(w1, w_step1, strict=True))
+        assert diff < 1e-5 < moved, (diff, moved)
+        for key in ("policy_loss", "trained_tokens", "engine_trainer_logprob_gap", "grad_norm"):
+            assert double.metrics[key] == pytest.approx(single.metrics[key], rel=1e-4, abs=1e-7), key
+        ranks = two.service(model2).ranks
         assert ranks is not None
         for p in ranks._procs:
             p.kill()
             p.join(timeout=10)
         with pytest.raises(jm.TrainerRankError, match="exited"):
-            await model4.train(groups, config=config)
-        assert await model4.get_step() == 2
+            await model2.train(groups, config=config)
     finally:
-        wider.close()
+        two.close()
+
+    # the 2-rank checkpoint resumes on 1 rank with its weights
+    again, model3 = await _register(tmp_path / "two", 1)
+    assert await model3.get_step() == 2
+    assert all(torch.equal(a, b) for a, b in zip(w2, _lora(again, model3), strict=True))
+    again.close()
 
 
 async def test_two_replicas_serve_64_concurrent_requests_and_lose_one(tmp_path: Path) -> None:

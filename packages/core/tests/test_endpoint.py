@@ -163,6 +163,15 @@ async def test_bad_requests_name_the_field(served) -> None:
         assert r.status_code == 400
         r = await http.post(model.inference_base_url + "/chat/completions", json={"model": model.name})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # past the context (8192 tokens): a 400 naming the lengths, at once, before the engine
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(
+            model=model.name, messages=[{"role": "user", "content": "word " * 40_000}], max_tokens=4
+        )
+    assert e.value.body["param"] == "messages" and "8192-token context" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=model.name, messages=msgs, max_tokens=9000)
+    assert e.value.body["param"] == "max_tokens" and "at most" in e.value.body["message"]
 
 
 async def test_capture_scopes_keep_concurrent_episodes_apart(served) -> None:

@@ -148,12 +148,18 @@ class Endpoint:
     """Serves one trainable model (its current step) through an engine."""
 
     def __init__(
-        self, engine: Engine, chat_format: ChatFormat, model_name: str, default_max_tokens: int = 1024
+        self,
+        engine: Engine,
+        chat_format: ChatFormat,
+        model_name: str,
+        default_max_tokens: int = 1024,
+        max_context: int | None = None,
     ) -> None:
         self.engine = engine
         self.chat_format = chat_format
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
+        self.max_context = max_context  # prompt + completion tokens the model takes
         self.sampled = SampledTurns()
         self.captures = Captures()
         self.completions = 0
@@ -186,7 +192,31 @@ class Endpoint:
         prompt_ids, spliced = self.chat_format.prompt_ids(
             messages, req.tools, self.sampled, template_kwargs=req.chat_template_kwargs
         )
+        self._fit_context(req, params, len(prompt_ids))
         return req, params, messages, prompt_ids, spliced
+
+    def _fit_context(self, req: ChatCompletionRequest, params: SamplingParams, prompt: int) -> None:
+        """Refuse, before the engine sees it, what cannot fit the context; a default max_tokens
+        shrinks to what is left (as OpenAI does when none is given)."""
+        if self.max_context is None:
+            return
+        room = self.max_context - prompt
+        if room < 1:
+            raise InvalidFieldError(
+                "messages",
+                f"{prompt} tokens",
+                f"the prompt leaves no room in the {self.max_context}-token context",
+            )
+        asked = req.max_completion_tokens or req.max_tokens
+        if asked is None:
+            params.max_tokens = min(params.max_tokens, room)
+        elif asked > room:
+            field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+            raise InvalidFieldError(
+                field,
+                asked,
+                f"the prompt has {prompt} tokens: at most {room} fit the {self.max_context}-token context",
+            )
 
     def _respond(
         self,
@@ -206,7 +236,8 @@ class Endpoint:
         for i, s in enumerate(samples):
             # the engine's text is cut at a stop string; otherwise read the ids with their markers
             text = s.text if params.stop else fmt.completion_text(s.token_ids)
-            turn = fmt.parse(text, tools=bool(req.tools))
+            # tool_choice "none": the model may not call a tool, so call-like text is its answer
+            turn = fmt.parse(text, tools=bool(req.tools) and req.tool_choice != "none")
             content, reasoning = turn.content, turn.reasoning
             calls = [{"id": fmt.family.call_id(), "type": "function", "function": c} for c in turn.tool_calls]
             finish = "tool_calls" if calls else s.finish_reason

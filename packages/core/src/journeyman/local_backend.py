@@ -142,7 +142,12 @@ class LocalBackend:
         policy = LoraPolicy(weights, model.lora, device=self.device, dtype=self.dtype)
         chat_format = ChatFormat(policy.tokenizer, family=model.chat_format)
         engine = self._make_engine(weights, policy, chat_format)
-        endpoint = Endpoint(engine, chat_format, model.name, default_max_tokens=model.max_tokens)
+        context = getattr(policy.model.config, "max_position_embeddings", None)
+        if self.vllm_config is not None:
+            context = min(context or self.vllm_config.max_model_len, self.vllm_config.max_model_len)
+        endpoint = Endpoint(
+            engine, chat_format, model.name, default_max_tokens=model.max_tokens, max_context=context
+        )
         store = RunStore(self.run_dir(model))
         trainer = GRPOTrainer(policy, chat_format)
         step = store.latest_step()
