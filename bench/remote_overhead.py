@@ -21,6 +21,7 @@ import tempfile
 import time
 
 import journeyman as jm
+from _task import rollout_step  # bench/ is on sys.path when a bench runs
 from journeyman import tasks
 from journeyman.server import ServerProcess
 
@@ -38,23 +39,8 @@ async def measure(
     )
     rates, train_s, groups = [], [], []
     for step in range(args.steps):
-        t0 = time.perf_counter()
-        groups = await jm.gather_trajectory_groups(
-            (
-                jm.TrajectoryGroup(
-                    tasks.rollout(model, client, s, max_tokens=args.max_tokens)
-                    for _ in range(args.group_size)
-                )
-                for s in scenarios
-            ),
-            pbar_desc=None,
-        )
-        elapsed = time.perf_counter() - t0
-        tokens = sum(len(r.token_ids) for g in groups for t in g.trajectories for r in t.records())
-        rates.append(tokens / elapsed)
-        for g in groups:  # rewards that differ, so every step trains
-            for i, t in enumerate(g.trajectories):
-                t.reward = float(i % 2)
+        groups, rate = await rollout_step(model, client, scenarios, args.group_size, args.max_tokens)
+        rates.append(rate)
         t0 = time.perf_counter()
         await model.train(groups, config=jm.TrainConfig(learning_rate=1e-5), idempotency_key=f"bench-{step}")
         train_s.append(time.perf_counter() - t0)
