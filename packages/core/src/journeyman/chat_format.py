@@ -297,7 +297,10 @@ class ChatFormat:
         token_ids: list[int],
     ) -> tuple[int, int, list[int]] | None:
         """(position, length, ids) of a sampled turn in the rendered text, with or without its stop token."""
-        header = self.render(before, tools, True, template_kwargs)
+        try:
+            header = self.render(before, tools, True, template_kwargs)
+        except InvalidFieldError:  # a template that refuses a partial conversation: search only
+            header = None
         candidates = [token_ids]
         if token_ids and token_ids[-1] in self.stop_ids:
             candidates.append(token_ids[:-1])  # the template ends the turn with another stop token
@@ -305,7 +308,12 @@ class ChatFormat:
             turn_text = self.decode(ids)
             if not turn_text:
                 continue
-            if len(header) >= cursor and text.startswith(header) and text.startswith(turn_text, len(header)):
+            if (
+                header is not None
+                and len(header) >= cursor
+                and text.startswith(header)
+                and text.startswith(turn_text, len(header))
+            ):
                 return len(header), len(turn_text), ids
             at = text.find(turn_text, cursor)
             if at >= 0:
