@@ -22,7 +22,6 @@ import contextlib
 import datetime
 import io
 import json
-import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -41,8 +40,6 @@ from .types import TrajectoryGroup
 if TYPE_CHECKING:
     from .adapter import LoraPolicy
     from .train import GRPOTrainer
-
-log = logging.getLogger(__name__)
 
 
 def _state_bytes(trainer: GRPOTrainer) -> bytes:
