@@ -127,6 +127,7 @@ def hermes_messages(messages: list[Message], tools: list[dict[str, Any]] | None)
             messages = messages[1:]
         else:
             out.append({"role": "system", "content": block})
+    previous = None
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             parts = [m["content"]] if m.get("content") else []
@@ -138,13 +139,14 @@ def hermes_messages(messages: list[Message], tools: list[dict[str, Any]] | None)
             )
         elif m["role"] == "tool":
             response = "<tool_response>\n" + m["content"] + "\n</tool_response>"
-            if out and out[-1].get("_tool"):  # consecutive results: one user turn, as roles must alternate
+            if previous == "tool":  # consecutive results: one user turn, as roles must alternate
                 out[-1]["content"] += "\n" + response
             else:
-                out.append({"role": "user", "content": response, "_tool": True})
+                out.append({"role": "user", "content": response})
         else:
             out.append(m)
-    return [{k: v for k, v in m.items() if k != "_tool"} for m in out]
+        previous = m["role"]
+    return out
 
 
 class ChatFormat:

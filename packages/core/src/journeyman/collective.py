@@ -31,22 +31,21 @@ class Collective:
         import torch.distributed as dist
 
         self.rank, self.world, self.store = rank, world, store
-        self.timeout = datetime.timedelta(seconds=config.timeout_s)
+        timeout = datetime.timedelta(seconds=config.timeout_s)
         backend = config.backend
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
+            opts._timeout = timeout
             self.pg: Any = dist.ProcessGroupNCCL(store, rank, world, opts)
         else:
             opts = dist.ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue] (the stub lacks it)
             # bound to loopback when the ranks share this machine; torchrun's nodes use the host name
             host = "127.0.0.1" if config.master_addr is None else os.uname().nodename
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-            opts._timeout = self.timeout
+            opts._timeout = timeout
             self.pg = dist.ProcessGroupGloo(store, rank, world, opts)
-        self.device = device
 
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
         """Sum `tensors` over the ranks, in place, as one flat buffer (one round trip)."""
