@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import resource
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import journeyman as jm
 import pytest
 import torch
 from journeyman import tasks
+from journeyman.store import RunStore
 from journeyman.tokenize import trajectory_rows
 from openai.types.chat.chat_completion import Choice
 
@@ -107,7 +113,9 @@ def _force_signal(groups: list[jm.TrajectoryGroup]) -> None:
             t.reward = float(i % 2)
 
 
-async def test_step_checkpoint_serve_resume_and_prune(tmp_path: Path) -> None:
+async def test_step_checkpoint_serve_resume_and_prune(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     backend = jm.LocalBackend(path=tmp_path)
     model = jm.TrainableModel(name="m", project="p")
     await model.register(backend)
@@ -184,7 +192,85 @@ async def test_step_checkpoint_serve_resume_and_prune(tmp_path: Path) -> None:
     assert out_of_range.value.field == "step" and "0..3" in str(out_of_range.value)
     await model2.serve_step(3)
     assert all(torch.equal(a, b) for a, b in zip(latest, policy2.trainable_parameters(), strict=True))
+
+    # the disk fills while checkpoint 4 is written (the adapter fits, the optimizer state does not):
+    # a named error, nothing half-written, step 3 still committed, served and in memory
+    with _file_size_limit(12 << 20), pytest.raises(jm.CheckpointError) as full:
+        await model2.train(groups)
+    assert full.value.step == 4, full.value
+    assert await model2.get_step() == 3
+    assert [p.name for p in (model2.run_dir / "checkpoints").iterdir() if "4" in p.name] == []
+    assert all(torch.equal(a, b) for a, b in zip(latest, policy2.trainable_parameters(), strict=True))
     backend2.close()
+
+    # the latest checkpoint is truncated on disk: the resume warns, naming it, and falls back to the
+    # newest good one (step 1; 2 was pruned); what was trained after it is kept aside
+    adapter = model2.run_dir / "checkpoints" / "0003" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:1000])
+    backend3 = jm.LocalBackend(path=tmp_path)
+    model3 = jm.TrainableModel(name="m", project="p")
+    with caplog.at_level(logging.WARNING, logger="journeyman.store"):
+        await model3.register(backend3)
+    assert await model3.get_step() == 1
+    warning = caplog.text
+    assert "step 3" in warning and "0003/adapter_model.safetensors" in warning and "truncated" in warning
+    assert (model3.run_dir / "checkpoints" / "0003.corrupt").is_dir()
+    assert sorted(p.name for p in (model3.run_dir / "trajectories" / "train").iterdir()) == [
+        "0000.jsonl",
+        "0001.superseded.jsonl",
+        "0002.superseded.jsonl",
+        "0003.superseded.jsonl",  # the groups of the step the full disk cut off
+    ]
+    policy3 = backend3.service(model3).policy
+    assert all(torch.equal(a, b) for a, b in zip(trained, policy3.trainable_parameters(), strict=True))
+    backend3.close()
+
+
+def test_checkpoints_are_whole_and_a_bad_one_is_named_and_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = RunStore(tmp_path)
+    for step in (1, 2):
+        store.write_checkpoint(
+            step, lambda d, step=step: (d / "adapter_model.safetensors").write_bytes(bytes([step]) * 64)
+        )
+    store.write_state(2, base_model="b")
+
+    def fails(d: Path) -> None:
+        (d / "adapter_model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device", str(d / "optimizer.pt"))
+
+    with pytest.raises(jm.CheckpointError) as full:
+        store.write_checkpoint(3, fails)
+    assert full.value.step == 3 and full.value.file.endswith("optimizer.pt"), full.value
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["0001", "0002"]
+
+    # one flipped byte (same size) is caught by the manifest's sha256
+    (tmp_path / "checkpoints" / "0002" / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    with caplog.at_level(logging.WARNING, logger="journeyman.store"):
+        assert store.resume_step() == 1
+    assert "step 2" in caplog.text and "sha256" in caplog.text
+    assert store.state()["step"] == 1 and store.state()["base_model"] == "b"
+
+    # an unreadable state.json: a named error to readers, and a resume from the newest good checkpoint
+    (tmp_path / "state.json").write_text('{"step": 1, "requ')
+    with pytest.raises(jm.CheckpointError) as unreadable:
+        store.latest_step()
+    assert unreadable.value.file.endswith("state.json")
+    assert store.resume_step() == 1 and store.latest_step() == 1
+
+
+@contextlib.contextmanager
+def _file_size_limit(limit: int) -> Iterator[None]:
+    """A real full disk, for this process: writes past `limit` bytes fail (EFBIG) instead of killing it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
 
 
 def test_a_shared_prefix_runs_once_with_the_same_logprobs_and_gradients(served) -> None:

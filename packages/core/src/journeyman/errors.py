@@ -45,6 +45,17 @@ class TrainerRankError(JourneymanError, RuntimeError):
     """A trainer rank died, did not start, or did not answer within `TrainerConfig.timeout_s`."""
 
 
+class CheckpointError(JourneymanError, RuntimeError):
+    """A checkpoint could not be written (disk full, I/O error), or one on disk is truncated or corrupt."""
+
+    def __init__(self, step: int | None, file: str, reason: str) -> None:
+        self.step = step
+        self.file = file
+        self.reason = reason
+        where = f"step {step}: " if step is not None else ""
+        super().__init__(f"{where}{file}: {reason}")
+
+
 class EngineDownError(JourneymanError, RuntimeError):
     """An engine (or engine replica) stopped; the requests it held fail with this instead of waiting."""
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .backend import Inference
 from .capture import CapturedCall
 from .config import ModelConfig, TrainConfig, TrainerConfig, TrainResult, check_name
-from .errors import InvalidFieldError
+from .errors import CheckpointError, InvalidFieldError
 from .observe import GroupContext, emit
 from .store import RunStore
 from .types import TrajectoryGroup
@@ -77,6 +77,24 @@ class _Service:
     # one step (or step switch) at a time per model: two concurrent train calls would both read
     # step N and both write checkpoint N+1
     step_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def save(self, directory: Path) -> None:
+        """The adapter and the optimizer state: what a checkpoint holds."""
+        self.policy.save(directory)
+        self.trainer.save_optimizer(directory)
+
+    def restore(self, step: int) -> None:
+        """Adapter and optimizer back to checkpoint `step` (0: the base model, a fresh optimizer), on
+        every rank."""
+        if step == 0:
+            self.policy.reset()
+            self.trainer.optimizer = None
+        else:
+            ckpt = self.store.checkpoint_dir(step)
+            self.policy.load(ckpt)
+            self.trainer.load_optimizer(ckpt)
+        if self.ranks is not None:
+            self.ranks.sync()
 
 
 class LocalBackend:
@@ -150,7 +168,7 @@ class LocalBackend:
         )
         store = RunStore(self.run_dir(model))
         trainer = GRPOTrainer(policy, chat_format)
-        step = store.latest_step()
+        step = store.resume_step()  # the committed step, or the newest good one if it is corrupt
         if step > 0:  # resume: the last checkpoint's adapter and optimizer state
             ckpt = store.checkpoint_dir(step)
             policy.load(ckpt)
@@ -240,6 +258,7 @@ class LocalBackend:
         elif not (ckpt / "adapter_model.safetensors").exists():
             raise InvalidFieldError("step", step, f"no checkpoint at {ckpt} (deleted?)")
         else:
+            await asyncio.to_thread(s.store.verify_checkpoint, step)
             await asyncio.to_thread(s.policy.load, ckpt)
         await s.engine.load_adapter(ckpt, step)
 
@@ -311,9 +330,13 @@ class LocalBackend:
             )
             return result
         new_step = step + 1
-        ckpt = s.store.checkpoint_dir(new_step)
-        await asyncio.to_thread(s.policy.save, ckpt)
-        await asyncio.to_thread(s.trainer.save_optimizer, ckpt)
+        try:
+            ckpt = await asyncio.to_thread(s.store.write_checkpoint, new_step, s.save)
+        except CheckpointError:
+            # Nothing was committed: the step is undone in memory too, so what trains and serves
+            # next is the last good step, not weights that exist nowhere on disk.
+            await asyncio.to_thread(s.restore, step)
+            raise
         t0 = time.perf_counter()
         await s.engine.load_adapter(ckpt, new_step)
         metrics["adapter_load_seconds"] = time.perf_counter() - t0

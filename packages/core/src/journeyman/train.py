@@ -130,6 +130,7 @@ class GRPOTrainer:
 
     def load_optimizer(self, path: Path) -> None:
         file = path / "optimizer.pt"
+        self.optimizer = None  # a checkpoint saved before any step: the next step starts a fresh one
         if file.exists():
             self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters())
             self.optimizer.load_state_dict(torch.load(file, map_location=self.policy.device))
