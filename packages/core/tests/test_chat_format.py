@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+from journeyman.capture import CapturedCall, Captures
 from journeyman.chat_format import SampledTurns
 from journeyman.errors import InvalidFieldError
 from journeyman.messages import normalize_messages
@@ -123,6 +125,25 @@ def test_same_call_text_with_other_ids_splices_each_rollouts_own_ids(chat_format
     # same ids but edited arguments: the ids no longer describe this text, nothing is spliced
     edited = [{"id": "call_a", "type": "function", "function": {**call, "arguments": "{}"}}]
     assert turns.get(None, edited) is None
+
+
+def test_memory_held_for_turns_and_captures_is_bounded_and_counted() -> None:
+    turns = SampledTurns(capacity_tokens=10)
+    for i in range(5):
+        turns.add(f"turn {i}", None, [i] * 4)
+    assert turns.tokens <= 10 and turns.evicted == 3
+    assert turns.get("turn 0", None) is None and turns.get("turn 4", None).token_ids == [4] * 4
+    turns.add("turn 4", None, [9] * 4)  # the same turn again replaces, never double-counts
+    assert turns.tokens == 8
+
+    call = CapturedCall(request_messages=[], response={})
+    captures = Captures(max_ids=2, max_age_s=0.05)
+    for cid in ("a", "b", "c"):
+        captures.add(cid, call)
+    assert len(captures) == 2 and captures.dropped == 1 and captures.pop("a") == []
+    time.sleep(0.06)
+    captures.add("d", call)  # "b" and "c" were never popped and are now too old
+    assert len(captures) == 1 and captures.dropped == 3 and captures.pop("d") == [call]
 
 
 @pytest.mark.parametrize(

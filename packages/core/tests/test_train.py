@@ -153,6 +153,11 @@ async def test_step_checkpoint_serve_resume_and_prune(
     history = [json.loads(x) for x in (run / "history.jsonl").read_text().splitlines()]
     assert [h["split"] for h in history] == ["train", "train", "val"]
     assert history[1]["train/grad_norm"] > 0
+    # what the endpoint holds in memory is in every step's metrics: the turn cache, unpopped captures
+    assert (
+        history[1]["train/endpoint_turn_cache_tokens"] > 0
+        and history[1]["train/endpoint_captures_dropped"] == 0
+    )
     trained = [p.detach().clone() for p in service.policy.trainable_parameters()]
     backend.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -35,22 +36,37 @@ class CapturedCall(BaseModel):
 
 
 class Captures:
-    """Server side: calls filed by capture id (bounded; the oldest ids go first)."""
+    """Server side: calls filed by capture id, bounded so that ids nobody pops cannot grow memory.
 
-    def __init__(self, max_ids: int = 10_000) -> None:
-        self._calls: OrderedDict[str, list[CapturedCall]] = OrderedDict()
+    An id is dropped (counted in `dropped`) when `max_ids` newer ids are held, or when no call was
+    filed under it for `max_age_s`: an episode still running keeps its id alive.
+    """
+
+    def __init__(self, max_ids: int = 10_000, max_age_s: float = 3600.0) -> None:
+        self._calls: OrderedDict[str, tuple[float, list[CapturedCall]]] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
         self._max = max_ids
+        self._max_age_s = max_age_s
+        self.dropped = 0
 
     def add(self, capture_id: str, call: CapturedCall) -> None:
+        now = time.monotonic()
         with self._lock:
-            self._calls.setdefault(capture_id, []).append(call)
-            while len(self._calls) > self._max:
+            _, calls = self._calls.pop(capture_id, (now, []))
+            calls.append(call)
+            self._calls[capture_id] = (now, calls)
+            while self._calls and (
+                len(self._calls) > self._max or next(iter(self._calls.values()))[0] < now - self._max_age_s
+            ):
                 self._calls.popitem(last=False)
+                self.dropped += 1
 
     def pop(self, capture_id: str) -> list[CapturedCall]:
         with self._lock:
-            return self._calls.pop(capture_id, [])
+            return self._calls.pop(capture_id, (0.0, []))[1]
+
+    def __len__(self) -> int:
+        return len(self._calls)
 
 
 def current_capture_id() -> str | None:

@@ -68,9 +68,11 @@ class SampledTurns:
     the other's history. The text key is the fallback, for frameworks that rewrite call ids.
     """
 
-    def __init__(self, capacity: int = 100_000) -> None:
+    def __init__(self, capacity_tokens: int = 2_000_000) -> None:
         self._turns: OrderedDict[str, tuple[str, SampledTurn]] = OrderedDict()
-        self._capacity = capacity
+        self._capacity = capacity_tokens  # ~70 MB of ids; 64 rollouts of 14 turns hold ~200k
+        self.tokens = 0
+        self.evicted = 0  # turns dropped for room: a client sending one back gets a re-render
 
     def add(
         self,
@@ -81,10 +83,15 @@ class SampledTurns:
     ) -> None:
         key = assistant_key(content, tool_calls)
         for k in filter(None, (key, _call_ids_key(tool_calls))):
+            old = self._turns.pop(k, None)
+            if old is not None:
+                self.tokens -= len(old[1].token_ids)
             self._turns[k] = (key, SampledTurn(token_ids, reasoning))
-            self._turns.move_to_end(k)
-        while len(self._turns) > self._capacity:
-            self._turns.popitem(last=False)
+            self.tokens += len(token_ids)
+        while self.tokens > self._capacity and self._turns:
+            _, (_, turn) = self._turns.popitem(last=False)
+            self.tokens -= len(turn.token_ids)
+            self.evicted += 1
 
     def get(self, content: str | None, tool_calls: Sequence[dict[str, Any]] | None) -> SampledTurn | None:
         key = assistant_key(content, tool_calls)

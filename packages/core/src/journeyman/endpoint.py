@@ -167,6 +167,16 @@ class Endpoint:
     def served_names(self) -> list[str]:
         return [self.model_name, f"{self.model_name}@{self.engine.step}"]
 
+    def stats(self) -> dict[str, float]:
+        """What the endpoint holds in memory and what its bounds dropped (train metrics `endpoint_*`)."""
+        return {
+            "endpoint_completions": self.completions,
+            "endpoint_captures_held": len(self.captures),
+            "endpoint_captures_dropped": self.captures.dropped,
+            "endpoint_turn_cache_tokens": self.sampled.tokens,
+            "endpoint_turn_cache_evicted": self.sampled.evicted,
+        }
+
     async def chat_completion(
         self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
     ) -> dict[str, Any]:

@@ -317,6 +317,7 @@ class LocalBackend:
             updated, metrics = await asyncio.to_thread(run, groups, config, on_progress)
         finally:
             await s.engine.wake()
+        metrics.update(s.endpoint.stats())
         if not updated:
             log.warning(
                 "step %d skipped: none of the %d groups has rewards that differ (nothing to learn from)",
