@@ -9,6 +9,7 @@ import httpx
 import journeyman as jm
 import openai
 import pytest
+from journeyman.tokenize import trajectory_rows
 
 pytestmark = pytest.mark.integration
 
@@ -193,7 +194,7 @@ async def test_capture_scopes_keep_concurrent_episodes_apart(served) -> None:
 
 
 async def test_named_tool_choice_forces_that_tool_and_bad_choices_are_named(served) -> None:
-    model, _ = served
+    model, backend = served
     client = model.openai_client()
     tools = [*TOOLS, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
     forced = await client.chat.completions.create(
@@ -207,6 +208,22 @@ async def test_named_tool_choice_forces_that_tool_and_bad_choices_are_named(serv
     )
     assert forced.choices[0].finish_reason == "tool_calls"
     assert [c.function.name for c in forced.choices[0].message.tool_calls] == ["get_time"]
+    # the same call cut by max_tokens: "length", no half-parsed call, and its tokens still train
+    cut = await client.chat.completions.create(
+        model=model.name,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=6,
+        extra_body={"store": True, "frobnicate": {"x": 1}},  # unknown fields: ignored, as vLLM does
+    )
+    (choice,) = cut.choices
+    assert choice.finish_reason == "length" and not choice.message.tool_calls, choice
+    record = jm.record_of(choice)
+    assert len(record.token_ids) == 6 and record.finish_reason == "length"
+    traj = jm.Trajectory(messages_and_choices=[{"role": "user", "content": "Weather in Oslo?"}, choice])
+    (row,) = trajectory_rows(traj, backend.service(model).chat_format, advantage=1.0)
+    assert row.input_ids[-6:] == record.token_ids and row.trained[-6:] == [True] * 6
     for choice, field in [
         ({"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
         ("sometimes", "tool_choice"),

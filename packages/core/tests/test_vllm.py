@@ -9,8 +9,10 @@ is absent and no package index is reachable.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,14 +21,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import journeyman as jm
 import jsonschema
+import openai
 import pytest
 from journeyman import tasks
 from journeyman.demo import run_demo
 from journeyman.engine import vllm_env
 from journeyman.engine.vllm_engine import VLLMEngine
 from journeyman.engine.vllm_server import VLLMConfig
+from openai.types.chat import ChatCompletion
 
 # Startup dominates on 2 shared cores (50 s idle, up to 4 min under load); learning takes ~10 min.
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(1800)]
@@ -399,3 +404,51 @@ async def test_training_step_hot_loads_the_adapter_vllm_serves(vllm_served) -> N
     )
     assert gap < 1e-3
     assert moved > 1e-2, "the served logprobs should differ from the base model's after a step"
+
+
+async def test_a_killed_server_fails_its_requests_fast_and_is_restarted_on_the_served_step(
+    vllm_served,
+) -> None:
+    """SIGKILL mid-batch: the requests vLLM held fail within seconds (503), requests during the
+    restart are refused at once, and the restarted server serves the adapter of the step it served."""
+    model, backend = vllm_served
+    engine = backend.service(model).engine
+    assert isinstance(engine, VLLMEngine) and engine.step == 1
+    client = model.openai_client().with_options(max_retries=0, timeout=120)
+
+    async def ask(max_tokens: int = 256) -> Any:
+        return await client.chat.completions.create(
+            model=model.name,
+            messages=[{"role": "user", "content": "Tell me a long story about the sea."}],
+            max_tokens=max_tokens,
+            temperature=1.0,
+        )
+
+    inflight = [asyncio.create_task(ask()) for _ in range(8)]
+    async with httpx.AsyncClient(base_url=engine.base_url, timeout=5) as vllm:
+        while "vllm:num_requests_running" not in (text := (await vllm.get("/metrics")).text) or re.search(
+            r"^vllm:num_requests_running\{[^}]*\} 0\.0$", text, re.M
+        ):
+            await asyncio.sleep(0.05)
+    killed_at = time.perf_counter()
+    os.kill(engine.server.pid or 0, signal.SIGKILL)
+    results = await asyncio.gather(*inflight, return_exceptions=True)
+    failed_within = time.perf_counter() - killed_at
+    refused = [r for r in results if isinstance(r, openai.APIStatusError) and r.status_code == 503]
+    assert refused and all(r in refused or isinstance(r, ChatCompletion) for r in results), results
+    assert "exited" in refused[0].message and failed_within < 15, (refused[0].message, failed_within)
+
+    with pytest.raises(openai.APIStatusError) as during:  # not queued behind a minute of startup
+        await ask(8)
+    assert during.value.status_code == 503 and "restarting" in during.value.message
+
+    deadline = time.monotonic() + 600
+    while engine.down is not None and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    assert engine.down is None and engine.restarts == 1
+    out = await ask(8)
+    assert jm.record_of(out.choices[0]).step == 1 and engine.served_model == "policy@1"
+    print(
+        f"\nkilled vLLM: {len(refused)}/8 in-flight failed in {failed_within:.2f} s; restarted in "
+        f"{engine.server.startup_seconds:.0f} s on step {engine.step}"
+    )

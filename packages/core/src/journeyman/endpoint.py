@@ -31,7 +31,9 @@ from .types import TokenRecord
 
 
 class ChatCompletionRequest(BaseModel):
-    """The request fields we honour; others (user, parallel_tool_calls, ...) are accepted and ignored."""
+    """The request fields we honour. Others (user, store, metadata, parallel_tool_calls, a vendor's
+    extras) are accepted and ignored, as vLLM does, rather than refused as api.openai.com does:
+    agent frameworks send fields of their own, and a rollout must not fail on one."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -250,7 +252,9 @@ class Endpoint:
             turn = fmt.parse(text, tools=bool(req.tools) and req.tool_choice != "none")
             content, reasoning = turn.content, turn.reasoning
             calls = [{"id": fmt.family.call_id(), "type": "function", "function": c} for c in turn.tool_calls]
-            finish = "tool_calls" if calls else s.finish_reason
+            # Cut by max_tokens: "length" wins, as OpenAI reports it. A call the cut left open never
+            # parses (it stays text), so no half-written arguments reach a tool.
+            finish = "tool_calls" if calls and s.finish_reason != "length" else s.finish_reason
             record = TokenRecord(
                 prompt_token_ids=prompt_ids,
                 token_ids=s.token_ids,

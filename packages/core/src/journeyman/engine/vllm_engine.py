@@ -9,6 +9,11 @@ vLLM sampled and scored — no detokenize/retokenize round trip. vLLM's logprobs
 
 Each training step is served under its own LoRA name (`policy@<step>`): requests already running
 finish on the adapter they started with, and vLLM's prefix cache never mixes two steps' weights.
+
+A server that exits on its own (a crash, the OOM killer) is noticed at once by its supervisor
+thread: the requests it held fail with `EngineDownError` (the endpoint's 503, which `gather` counts
+against `max_exceptions`), requests that arrive while it restarts fail the same way instead of
+waiting, and the restarted server gets the served step's adapter back before it takes requests.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from ..errors import InvalidFieldError, JourneymanError
+from ..errors import EngineDownError, InvalidFieldError, JourneymanError
 from .base import Engine, Sample, SamplingParams
 from .grammar import SCHEMA_FIELD, wrapped_ebnf
 from .vllm_server import VLLMConfig, VLLMServer
@@ -78,6 +83,10 @@ class VLLMEngine(Engine):
         self._awake = threading.Event()  # cleared while vLLM sleeps through a training step
         self._awake.set()
         self._warned_sleep = False
+        self._served_adapter: tuple[Path, int] | None = None  # (path, step) of the adapter served now
+        self._down: str | None = None  # why requests are refused, while the server is down
+        self.restarts = 0
+        self.server.on_exit = self._on_exit
         self.server.start()
 
     @property
@@ -106,18 +115,66 @@ class VLLMEngine(Engine):
         return client
 
     async def _post(self, path: str, body: dict[str, Any], what: str) -> httpx.Response:
+        if self._down is not None:
+            raise EngineDownError(f"{what}: {self._down}")
         try:
             resp = await self._client().post(path, json=body)
         except httpx.HTTPError as e:
-            alive = "running" if self.server.alive() else "exited"
+            if not self.server.alive():
+                raise EngineDownError(
+                    f"{what}: the vLLM server exited while serving it ({type(e).__name__}); "
+                    f"{self._down or 'restarting it'}; log tail:\n{self.server.log_tail(20)}"
+                ) from e
             raise VLLMRequestError(
-                f"{what}: {type(e).__name__}: {e} (vLLM server {alive}; log tail:)\n{self.server.log_tail(20)}"
+                f"{what}: {type(e).__name__}: {e} (vLLM server running; log tail:)\n{self.server.log_tail(20)}"
             ) from e
         if resp.status_code == 400:
             raise _Refused(resp)
         if resp.status_code != 200:
             raise VLLMRequestError(f"{what}: vLLM answered {resp.status_code}: {resp.text[:2000]}")
         return resp
+
+    # -- supervision -------------------------------------------------------------------------------
+
+    @property
+    def down(self) -> str | None:
+        """Why requests are refused now (the server exited, is restarting, or stays down); None when up."""
+        return self._down
+
+    def _on_exit(self, code: int) -> None:
+        """The server exited on its own (supervisor thread): refuse requests, restart it, or stay down."""
+        if self.restarts >= self.config.max_restarts:
+            self._down = (
+                f"the vLLM server exited with code {code} and was already restarted "
+                f"{self.restarts} times (VLLMConfig.max_restarts); it stays down"
+            )
+            log.error("%s; log: %s", self._down, self.server.log_path)
+            return
+        self._down = f"the vLLM server exited with code {code} and is restarting"
+        log.warning("%s (log: %s)", self._down, self.server.log_path)
+        threading.Thread(target=self._restart, name="journeyman-vllm-restart", daemon=True).start()
+
+    def _restart(self) -> None:
+        self.restarts += 1
+        try:
+            self.server.restart()
+            self._clients.clear()  # bound to the old server's connections (and maybe its port)
+            self._adapters.clear()
+            if self._served_adapter is not None:
+                asyncio.run(self.load_adapter(*self._served_adapter))
+        except Exception as e:
+            self._down = f"the vLLM server exited and could not be restarted: {e}"
+            log.error("%s", self._down)
+            return
+        self._down = None
+        self._awake.set()
+        log.warning(
+            "vLLM restarted (%d of %d) in %.1f s, serving step %d",
+            self.restarts,
+            self.config.max_restarts,
+            self.server.startup_seconds,
+            self.step,
+        )
 
     # -- sampling ----------------------------------------------------------------------------------
 
@@ -233,6 +290,7 @@ class VLLMEngine(Engine):
                 self._adapters.remove(name)
             self._adapters.append(name)
             self.step = step
+            self._served_adapter = (path, step)
             # Keep the newest two registered (requests still running may use the previous one).
             while len(self._adapters) > 2:
                 old = self._adapters.pop(0)
@@ -261,6 +319,9 @@ class VLLMEngine(Engine):
 
     async def wake(self) -> None:
         if self._awake.is_set():
+            return
+        if self._down is not None:  # the server died asleep; the restarted one starts awake
+            self._awake.set()
             return
         async with httpx.AsyncClient(
             base_url=self.server.base_url, timeout=self.config.request_timeout_s

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -93,6 +94,12 @@ class VLLMConfig(BaseModel):
     env: dict[str, str] = Field(default_factory=dict, description="more environment variables for the server")
     log_file: str | None = Field(
         default=None, description="where the server's output goes; default: a temp file"
+    )
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="times a server that exits on its own is restarted (and the served adapter loaded "
+        "again) before the engine stays down; requests it held fail with EngineDownError either way",
     )
 
 
@@ -190,6 +197,8 @@ class VLLMServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._watcher: threading.Thread | None = None
         self._closed = False
+        # called with the exit code when the server exits without `stop()`: a crash, an OOM kill
+        self.on_exit: Callable[[int], None] | None = None
 
     @property
     def base_url(self) -> str:
@@ -312,7 +321,10 @@ class VLLMServer:
                     preexec_fn=_die_with_parent,
                 )
             started.set()
-            self._proc.wait()
+            proc = self._proc
+            code = proc.wait()
+            if not self._closed and proc is self._proc and self.on_exit is not None:
+                self.on_exit(code)
 
         self._watcher = threading.Thread(target=supervise, name="journeyman-vllm-supervisor", daemon=True)
         self._watcher.start()
@@ -341,6 +353,13 @@ class VLLMServer:
                         f"(VLLMConfig.startup_timeout_s; log: {self.log_path}):\n{self.log_tail()}"
                     )
                 time.sleep(0.5)
+
+    def restart(self) -> None:
+        """A fresh server after this one exited on its own; what is left of the old process group
+        (vLLM's engine-core outlives a killed API server) is killed first."""
+        if self._proc is not None:
+            _signal_group(self._proc.pid, signal.SIGKILL)
+        self.start()
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
