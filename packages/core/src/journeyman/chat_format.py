@@ -306,8 +306,8 @@ class ChatFormat:
         token_ids: list[int],
     ) -> tuple[int, int, list[int]] | None:
         """(position, length, ids) of a sampled turn in the rendered text, with or without its stop token."""
-        try:
-            header = self.render(before, tools, True, template_kwargs)
+        try:  # nothing before the turn renders nothing to anchor on (and transformers refuses it)
+            header = self.render(before, tools, True, template_kwargs) if before else None
         except InvalidFieldError:  # a template that refuses a partial conversation: search only
             header = None
         candidates = [token_ids]

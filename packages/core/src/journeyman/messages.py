@@ -51,12 +51,14 @@ def text_of(content: Any, field: str = "content", *, strict: bool = True) -> str
 
 
 def _arguments(call: dict[str, Any], field: str) -> dict[str, Any]:
-    args = call["function"].get("arguments", "{}")
+    raw = args = call["function"].get("arguments", "{}")
     if isinstance(args, str):
         try:
             args = json.loads(args or "{}")
-        except json.JSONDecodeError as e:
-            raise InvalidFieldError(f"{field}.function.arguments", args, f"not JSON: {e}") from e
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise InvalidFieldError(f"{field}.function.arguments", raw, f"not JSON: {e}") from e
+    if not isinstance(args, dict):
+        raise InvalidFieldError(f"{field}.function.arguments", raw, "must be a JSON object")
     return args
 
 
@@ -71,16 +73,23 @@ def normalize_messages(messages: Sequence[Any]) -> list[Message]:
         if not isinstance(m, dict):
             raise InvalidFieldError(f"messages[{i}]", raw, "each message must be an object")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise InvalidFieldError(f"messages[{i}].role", role, f"must be one of {sorted(ROLES)}")
         msg: Message = {"role": "system" if role == "developer" else role}
         msg["content"] = text_of(m.get("content"), f"messages[{i}].content")
         if role == "assistant":
             calls = []
-            for j, call in enumerate(m.get("tool_calls") or []):
+            raw_calls = m.get("tool_calls") or []
+            if not isinstance(raw_calls, list):
+                raise InvalidFieldError(f"messages[{i}].tool_calls", raw_calls, "must be a list of calls")
+            for j, call in enumerate(raw_calls):
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise InvalidFieldError(f"messages[{i}].tool_calls[{j}]", call, "needs function.name")
+                if not isinstance(call.get("id"), str | None):
+                    raise InvalidFieldError(
+                        f"messages[{i}].tool_calls[{j}].id", call.get("id"), "must be a string"
+                    )
                 args = _arguments(call, f"messages[{i}].tool_calls[{j}]")
                 calls.append(
                     {
@@ -94,6 +103,8 @@ def normalize_messages(messages: Sequence[Any]) -> list[Message]:
             if isinstance(m.get("reasoning_content"), str):  # reasoning models' templates show it
                 msg["reasoning_content"] = m["reasoning_content"]
         elif role == "tool" and "tool_call_id" in m:
+            if not isinstance(m["tool_call_id"], str):
+                raise InvalidFieldError(f"messages[{i}].tool_call_id", m["tool_call_id"], "must be a string")
             msg["tool_call_id"] = m["tool_call_id"]
         if role != "assistant" and "content" not in m:
             raise InvalidFieldError(f"messages[{i}].content", None, f"a {role} message needs content")

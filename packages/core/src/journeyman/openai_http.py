@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,10 +27,10 @@ async def handle_json(
     """Parse a JSON-object body, run `handle(body, capture_id)`, map our errors to OpenAI's 404/400 (503: engine down)."""
     try:
         body = await request.json()
-    except json.JSONDecodeError as e:
-        return error_response(400, f"body is not JSON: {e}", None)
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past the parser's limit
+        return error_response(400, f"body is not JSON: {type(e).__name__}: {str(e)[:200]}", "body")
     if not isinstance(body, dict):
-        return error_response(400, "body must be a JSON object", None)
+        return error_response(400, "body must be a JSON object", "body")
     try:
         return await handle(body, request.headers.get(CAPTURE_HEADER))
     except UnknownModelError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import traceback
 from collections.abc import Awaitable, Iterable
@@ -68,6 +69,8 @@ class History(OwnErrorsModel):
     @field_validator("messages_and_choices", mode="before")
     @classmethod
     def _coerce(cls, v: Any) -> list[MessageOrChoice]:
+        if not isinstance(v, list | tuple):
+            raise InvalidFieldError("messages_and_choices", v, "must be a list of messages and choices")
         return [_as_choice_or_message(x) for x in v]
 
     def messages(self) -> list[Message]:
@@ -125,7 +128,15 @@ class TrajectoryGroup(BaseModel):
     def __init__(
         self, trajectories: Iterable[Trajectory | Awaitable[Trajectory]] | None = None, /, **data: Any
     ) -> None:
-        items = list(trajectories if trajectories is not None else data.pop("trajectories", []))
+        items = trajectories if trajectories is not None else data.pop("trajectories", [])
+        if isinstance(items, str | bytes | dict) or not isinstance(items, Iterable):
+            raise InvalidFieldError("trajectories", items, "must be a list of trajectories")
+        items = list(items)
+        for i, t in enumerate(items):
+            if not isinstance(t, Trajectory | dict) and not inspect.isawaitable(t):
+                raise InvalidFieldError(
+                    f"trajectories[{i}]", t, "expected a Trajectory, its dict, or a rollout"
+                )
         pending = [t for t in items if not isinstance(t, Trajectory | dict)]
         done = [t for t in items if isinstance(t, Trajectory | dict)]
         if not items and not data.get("exceptions"):
