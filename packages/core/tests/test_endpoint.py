@@ -147,7 +147,7 @@ async def test_sampling_options(served) -> None:
 
 
 async def test_bad_requests_name_the_field(served) -> None:
-    model, _ = served
+    model, backend = served
     client = model.openai_client()
     msgs = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.NotFoundError) as e:
@@ -173,6 +173,17 @@ async def test_bad_requests_name_the_field(served) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         await client.chat.completions.create(model=model.name, messages=msgs, max_tokens=9000)
     assert e.value.body["param"] == "max_tokens" and "at most" in e.value.body["message"]
+    # an engine that does not answer in time: a 504 naming the limit, not a client waiting forever
+    endpoint = backend.service(model).endpoint
+    endpoint.request_timeout_s = 0.05
+    try:
+        with pytest.raises(openai.APIStatusError) as e:
+            await client.with_options(max_retries=0).chat.completions.create(
+                model=model.name, messages=msgs, max_tokens=200, temperature=0
+            )
+    finally:
+        endpoint.request_timeout_s = 900.0
+    assert e.value.status_code == 504 and "request_timeout_s" in e.value.message
 
 
 async def test_capture_scopes_keep_concurrent_episodes_apart(served) -> None:

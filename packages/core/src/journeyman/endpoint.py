@@ -7,6 +7,7 @@ completion under the request's capture id for frameworks that drop extra fields.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -23,7 +24,7 @@ from .capture import CapturedCall, Captures
 from .chat_families import ChatFamily
 from .chat_format import ChatFormat, SampledTurns
 from .engine import Engine, Sample, SamplingParams
-from .errors import InvalidFieldError, UnknownModelError
+from .errors import EngineTimeoutError, InvalidFieldError, UnknownModelError
 from .messages import normalize_messages
 from .openai_http import handle_json
 from .responses_api import add_routes as add_responses_routes
@@ -105,9 +106,10 @@ def _sampling_params(
     for name, value, ok, reason in checks:
         if not ok:
             raise InvalidFieldError(name, value, reason)
-    max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
-    if max_tokens < 1:
-        raise InvalidFieldError("max_tokens", max_tokens, "must be >= 1")
+    for name, value in (("max_tokens", req.max_tokens), ("max_completion_tokens", req.max_completion_tokens)):
+        if value is not None and value < 1:
+            raise InvalidFieldError(name, value, "must be >= 1")
+    max_tokens = _asked_tokens(req) or default_max_tokens
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     schema = _tool_call_schema(req.tools, req.tool_choice, family)
     prefix, suffix = (family.call_open, family.call_close) if schema is not None else ("", "")
@@ -140,6 +142,11 @@ def _sampling_params(
     )
 
 
+def _asked_tokens(req: ChatCompletionRequest) -> int | None:
+    """The completion length the request asks for (OpenAI's newer field first), None for the default."""
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
 def affinity_key(messages: list[dict[str, Any]]) -> str:
     """What a group's rollouts share: the conversation up to its first user turn (the scenario)."""
     first = next((k for k, m in enumerate(messages) if m["role"] == "user"), len(messages) - 1)
@@ -156,12 +163,15 @@ class Endpoint:
         model_name: str,
         default_max_tokens: int = 1024,
         max_context: int | None = None,
+        request_timeout_s: float = 900.0,
     ) -> None:
         self.engine = engine
         self.chat_format = chat_format
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.max_context = max_context  # prompt + completion tokens the model takes
+        # the longest a request may wait for its samples (queued behind a training step included)
+        self.request_timeout_s = request_timeout_s
         self.sampled = SampledTurns()
         self.captures = Captures()
         self.completions = 0
@@ -184,7 +194,13 @@ class Endpoint:
     ) -> dict[str, Any]:
         """Serve one chat completion; `response_id` names the Responses API call it answers, if any."""
         req, params, messages, prompt_ids, spliced = self._prepare(body)
-        samples = await self.engine.generate(prompt_ids, params)
+        try:
+            samples = await asyncio.wait_for(self.engine.generate(prompt_ids, params), self.request_timeout_s)
+        except TimeoutError:
+            raise EngineTimeoutError(
+                f"no samples after {self.request_timeout_s:g} s (Endpoint.request_timeout_s): the engine is "
+                f"overloaded, stuck, or waiting on a long training step"
+            ) from None
         return self._respond(req, params, messages, prompt_ids, spliced, samples, capture_id, response_id)
 
     def _prepare(
@@ -219,7 +235,7 @@ class Endpoint:
                 f"{prompt} tokens",
                 f"the prompt leaves no room in the {self.max_context}-token context",
             )
-        asked = req.max_completion_tokens or req.max_tokens
+        asked = _asked_tokens(req)
         if asked is None:
             params.max_tokens = min(params.max_tokens, room)
         elif asked > room:

@@ -60,6 +60,10 @@ class EngineDownError(JourneymanError, RuntimeError):
     """An engine (or engine replica) stopped; the requests it held fail with this instead of waiting."""
 
 
+class EngineTimeoutError(JourneymanError, TimeoutError):
+    """An engine did not answer a request within the endpoint's `request_timeout_s` (a 504)."""
+
+
 class EmptyGroupError(InvalidFieldError):
     """A TrajectoryGroup was built with no trajectories."""
 
@@ -139,6 +143,7 @@ __all__ = [
     "ChatTemplateError",
     "EmptyGroupError",
     "EngineDownError",
+    "EngineTimeoutError",
     "InvalidFieldError",
     "JourneymanError",
     "NoTrainableTokensError",

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from .capture import CAPTURE_HEADER
-from .errors import EngineDownError, InvalidFieldError, UnknownModelError
+from .errors import EngineDownError, EngineTimeoutError, InvalidFieldError, UnknownModelError
 
 
 def error_response(
@@ -39,3 +39,5 @@ async def handle_json(
         return error_response(400, str(e), e.field)
     except EngineDownError as e:  # a 503 the client may retry: another replica (or a restart) serves it
         return error_response(503, str(e), None, "engine_down")
+    except EngineTimeoutError as e:
+        return error_response(504, str(e), None, "engine_timeout")

@@ -16,6 +16,8 @@ prompts share is computed once at batch 1, kept across batches until the weights
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import queue
 import threading
 import time
@@ -30,6 +32,8 @@ from ..adapter import LoraPolicy, cache_kv
 from ..errors import EngineDownError
 from ..tokenize import MIN_SHARED_PREFIX, common_prefix_length
 from .base import Engine, FinishReason, Sample, SamplingParams
+
+log = logging.getLogger("journeyman.engine")
 
 
 @dataclass
@@ -69,6 +73,7 @@ class TorchEngine(Engine):
         self._served = 0
         self._closed = False
         self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._running: list[_Job] = []  # the batch being sampled
         self._grammars: Any = None
         self._grammars_lock = threading.Lock()
         # (policy version, token ids, per-layer (K, V)) of the last shared prompt prefix
@@ -109,11 +114,25 @@ class TorchEngine(Engine):
 
     def _work(self) -> None:
         carry: list[_Job] = []
+        try:
+            self._serve(carry)
+        except BaseException as e:
+            # Never a silent dead worker: whatever it held or was queued fails now, later requests
+            # fail at once (EngineDownError) instead of waiting on a thread that is gone.
+            self._closed = True
+            log.exception("the in-process engine's worker died")
+            died = EngineDownError(f"the in-process engine's worker died: {e!r}")
+            self._fail_queued([*self._running, *carry], died)
+            raise
+
+    def _serve(self, carry: list[_Job]) -> None:
         while True:
             job = carry.pop(0) if carry else self._queue.get()
             if job is None:
                 self._fail_queued(carry)
                 return
+            if job.future.cancelled():  # its caller gave up (a timeout): no batch time spent on it
+                continue
             jobs, rows = [job], job.params.n
             deadline = time.monotonic() + self.batch_wait_s
             while rows < self.max_batch_rows:
@@ -129,18 +148,20 @@ class TorchEngine(Engine):
                     break
                 jobs.append(nxt)
                 rows += nxt.params.n
+            self._running = jobs
             try:
                 results = self._run(jobs)
             except Exception as e:
                 for j in jobs:
-                    j.loop.call_soon_threadsafe(_set_exception, j.future, e)
+                    _answer(j, _set_exception, e)
                 continue
             for j, samples in zip(jobs, results, strict=True):
                 self._served += 1
-                j.loop.call_soon_threadsafe(_set_result, j.future, samples)
+                _answer(j, _set_result, samples)
+            self._running = []
 
-    def _fail_queued(self, carry: list[_Job]) -> None:
-        down = EngineDownError("the in-process engine stopped before serving this request")
+    def _fail_queued(self, carry: list[_Job], down: BaseException | None = None) -> None:
+        down = down or EngineDownError("the in-process engine stopped before serving this request")
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -149,7 +170,7 @@ class TorchEngine(Engine):
             if job is not None:
                 carry.append(job)
         for j in carry:
-            j.loop.call_soon_threadsafe(_set_exception, j.future, down)
+            _answer(j, _set_exception, down)
 
     @torch.inference_mode()
     def _run(self, jobs: list[_Job]) -> list[list[Sample]]:
@@ -360,6 +381,12 @@ def _generator(seed: int | None, k: int, device: torch.device) -> torch.Generato
     g = torch.Generator(device=device)
     g.manual_seed(seed * 1_000_003 + k)
     return g
+
+
+def _answer(job: _Job, set_: Any, value: Any) -> None:
+    """Hand a result to the requester's event loop; one that has closed meanwhile wants none."""
+    with contextlib.suppress(RuntimeError):
+        job.loop.call_soon_threadsafe(set_, job.future, value)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
