@@ -1,0 +1,233 @@
+"""Soak: many concurrent multi-turn tool rollouts for minutes, with a training step every minute.
+
+What it shows: nothing fails, nothing hangs and memory stays flat under sustained load. 64 rollouts
+run at once (each: a forced tool call, the tool's result, a free answer, filed through a capture
+scope as an agent adapter does), groups of 4 finish into a queue, and every `--train-every-s` the
+finished groups train one step while rollouts go on. Printed: rollouts, requests and errors; p50/p99
+request latency; peak RSS of the warm-up (rollouts and one training step: a step's activations are
+the peak) and of the measured part, where a leak shows as growth; what the endpoint holds.
+
+    uv run python bench/soak.py                 # 10 minutes
+    uv run python bench/soak.py --minutes 1     # what the test suite runs (tests/test_soak.py)
+
+Exit status 1 when a request failed or RSS grew by more than `--rss-bound-mib`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import journeyman as jm
+from pydantic import BaseModel
+
+CITIES = ["Oslo", "Lima", "Cairo", "Perth", "Quito", "Seoul", "Turin", "Dakar"]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+class SoakReport(BaseModel):
+    seconds: float
+    rollouts: int
+    requests: int
+    errors: dict[str, int]
+    train_steps: int
+    latency_p50_s: float
+    latency_p99_s: float
+    rss_warmup_peak_mib: float  # peak RSS of the warm-up, its training step included
+    rss_peak_mib: float  # peak RSS of the measured part: a leak shows as growth over the warm-up's
+    endpoint: dict[str, float]
+
+    @property
+    def rss_growth_mib(self) -> float:
+        return self.rss_peak_mib - self.rss_warmup_peak_mib
+
+
+def rss_mib() -> float:
+    """This process's resident memory (Linux /proc), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def soak(
+    model: jm.TrainableModel,
+    *,
+    seconds: float,
+    concurrency: int = 64,
+    group_size: int = 4,
+    train_every_s: float = 60.0,
+    warmup_s: float = 20.0,
+    max_tokens: int = 24,
+) -> SoakReport:
+    """Run the load on a registered model for `seconds` after a warm-up (`warmup_s` of rollouts and at
+    least two finished groups, then one training step on them); rollouts never stop for a step."""
+    client = model.openai_client().with_options(max_retries=0, timeout=300)
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+    finished: list[jm.Trajectory] = []
+    ready: list[jm.TrajectoryGroup] = []
+    requests = rollouts = steps = 0
+    endpoint: dict[str, float] = {}  # what the endpoint holds, as the last step's metrics report it
+    measuring = False
+    stop_at = math.inf  # set when the measured part starts
+
+    async def ask(messages: list[dict], **kw: object) -> object:
+        nonlocal requests
+        t0 = time.perf_counter()
+        out = await client.chat.completions.create(
+            model=model.name, messages=messages, tools=TOOLS, max_tokens=max_tokens, **kw
+        )
+        if measuring:
+            latencies.append(time.perf_counter() - t0)
+            requests += 1
+        return out
+
+    async def worker(w: int) -> None:
+        nonlocal rollouts
+        rng = random.Random(w)
+        while time.monotonic() < stop_at:
+            city = rng.choice(CITIES)
+            messages: list[dict] = [{"role": "user", "content": f"What's the weather in {city}?"}]
+            try:
+                async with model.capture() as cap:
+                    first = await ask(messages, tool_choice="required", temperature=1.0)
+                    call = first.choices[0]  # type: ignore[attr-defined]
+                    calls = call.message.tool_calls or []
+                    messages += [call.message.model_dump(exclude_none=True)]
+                    for c in calls:
+                        messages.append({"role": "tool", "tool_call_id": c.id, "content": f"{city}: 18C"})
+                    second = await ask(messages, temperature=1.0)
+                answer = second.choices[0]  # type: ignore[attr-defined]
+                assert len(cap.calls) == 2, f"capture filed {len(cap.calls)} calls, not 2"
+            except Exception as e:  # counted and shown; a soak run keeps going
+                if measuring:
+                    errors[f"{type(e).__name__}: {str(e)[:120]}"] += 1
+                continue
+            said = (answer.message.content or "").lower()
+            reward = float("18" in said) + 0.5 * float(city.lower() in said) + rng.random() * 1e-3
+            finished.append(
+                jm.Trajectory(messages_and_choices=[messages[0], call, *messages[2:], answer], reward=reward)
+            )
+            if len(finished) >= group_size:
+                ready.append(jm.TrajectoryGroup(finished[:group_size]))
+                del finished[:group_size]
+            if measuring:
+                rollouts += 1
+
+    async def train_once() -> None:
+        nonlocal steps
+        groups, ready[:] = ready[-8:], []
+        if groups:
+            try:
+                result = await model.train(groups)
+                endpoint.update({k: v for k, v in result.metrics.items() if k.startswith("endpoint_")})
+                steps += 1
+            except Exception as e:
+                errors[f"train: {type(e).__name__}: {str(e)[:120]}"] += 1
+
+    async def trainer() -> None:
+        next_step = time.monotonic() + train_every_s
+        while True:
+            await asyncio.sleep(max(0.0, next_step - time.monotonic()))
+            while not ready and time.monotonic() < stop_at:  # a step needs finished groups
+                await asyncio.sleep(0.5)
+            if time.monotonic() >= stop_at:
+                return
+            await train_once()
+            next_step += train_every_s
+
+    rss: list[tuple[bool, float]] = []  # (measured part?, RSS MiB), once a second from the start
+
+    async def sample_rss() -> None:
+        while time.monotonic() < stop_at:
+            rss.append((measuring, rss_mib()))
+            await asyncio.sleep(1.0)
+
+    workers = [asyncio.create_task(worker(w)) for w in range(concurrency)]
+    sampler = asyncio.create_task(sample_rss())
+    warm_until = time.monotonic() + warmup_s
+    while (time.monotonic() < warm_until or len(ready) < 2) and time.monotonic() < warm_until + 600:
+        await asyncio.sleep(0.5)
+    await train_once()  # the first step allocates the optimizer state and training buffers: warm-up
+    steps = 0
+    measuring, t0 = True, time.perf_counter()
+    stop_at = time.monotonic() + seconds
+    await asyncio.gather(*workers, asyncio.create_task(trainer()), sampler)
+    elapsed = time.perf_counter() - t0
+    q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
+    return SoakReport(
+        seconds=elapsed,
+        rollouts=rollouts,
+        requests=requests,
+        errors=dict(errors),
+        train_steps=steps,
+        latency_p50_s=q[49],
+        latency_p99_s=q[98],
+        rss_warmup_peak_mib=max(m for measured, m in rss if not measured),
+        rss_peak_mib=max(m for measured, m in rss if measured),
+        endpoint=endpoint,
+    )
+
+
+def show(report: SoakReport) -> str:
+    return (
+        f"soak {report.seconds / 60:.1f} min: {report.rollouts} rollouts, {report.requests} requests, "
+        f"{sum(report.errors.values())} errors, {report.train_steps} train steps; latency p50 "
+        f"{report.latency_p50_s:.2f} s p99 {report.latency_p99_s:.2f} s; peak RSS {report.rss_warmup_peak_mib:.0f} "
+        f"MiB in warm-up -> {report.rss_peak_mib:.0f} MiB measured ({report.rss_growth_mib:+.0f}); "
+        f"endpoint {json.dumps(report.endpoint)}"
+        + (f"\nerrors: {json.dumps(report.errors, indent=1)}" if report.errors else "")
+    )
+
+
+async def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--train-every-s", type=float, default=60.0)
+    p.add_argument("--warmup-s", type=float, default=20.0)
+    p.add_argument("--rss-bound-mib", type=float, default=256.0)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as run:
+        backend = jm.LocalBackend(path=Path(run))
+        model = jm.TrainableModel(name="soak", project="bench")
+        await model.register(backend)
+        try:
+            report = await soak(
+                model,
+                seconds=args.minutes * 60,
+                concurrency=args.concurrency,
+                train_every_s=args.train_every_s,
+                warmup_s=args.warmup_s,
+            )
+        finally:
+            backend.close()
+    print(show(report))
+    bad = sum(report.errors.values()) > 0 or report.rss_growth_mib > args.rss_bound_mib
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))

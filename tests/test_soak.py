@@ -1,0 +1,32 @@
+"""`bench/soak.py --minutes 1`, as CI runs it: 64 concurrent multi-turn tool rollouts and a training
+step a minute on the real model, with no failed request and bounded memory (the 10-minute run's
+figures are in README, "What we promise")."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_one_minute_soak_has_no_errors_and_flat_memory() -> None:
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "1", "--train-every-s", "30"],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=ROOT,
+    )
+    print(r.stdout[-3000:], r.stderr[-3000:])
+    report = re.search(r"soak .* (\d+) rollouts, (\d+) requests, (\d+) errors, (\d+) train steps", r.stdout)
+    assert report, r.stdout + r.stderr
+    rollouts, requests, errors, steps = map(int, report.groups())
+    assert errors == 0 and r.returncode == 0, r.stdout
+    assert rollouts >= 64 and requests >= 2 * rollouts and steps >= 1, report.group(0)
