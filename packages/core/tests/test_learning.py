@@ -1,4 +1,8 @@
-"""The embedded model really learns on this CPU: held-out reward rises by more than 3 standard errors."""
+"""The embedded model really learns on this CPU: held-out reward rises by more than 3 standard errors.
+
+The suite's settings: 5 steps at twice the demo's learning rate, which rise as far as the demo's 10
+(measured 0.152 -> 0.430, 6.3 SE; `./dev demo` 0.152 -> 0.441, 6.4 SE) in half the time.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,12 @@ from journeyman.demo import run_demo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
+SUITE_SETTINGS = {"steps": 5, "learning_rate": 4e-4}
+
 
 async def test_grpo_raises_held_out_reward(tmp_path: Path) -> None:
     steps: list[dict[str, float]] = []
-    result = await run_demo(path=tmp_path, steps=10, on_step=lambda _, m: steps.append(m))
+    result = await run_demo(path=tmp_path, **SUITE_SETTINGS, on_step=lambda _, m: steps.append(m))
     print(
         f"held-out reward {result.before.mean:.3f}±{result.before.sem:.3f} -> "
         f"{result.after.mean:.3f}±{result.after.sem:.3f} ({result.gain_in_sems:.1f} SE); "
@@ -23,5 +29,5 @@ async def test_grpo_raises_held_out_reward(tmp_path: Path) -> None:
     # the engine served the step the trainer produced: sampled logprobs match the trainer's
     assert all(m["engine_trainer_logprob_gap"] < 1e-3 for m in steps[:1])
     history = [json.loads(line) for line in (result.run_dir / "history.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in history if "train/reward" in h] == list(range(10))
+    assert [h["step"] for h in history if "train/reward" in h] == list(range(SUITE_SETTINGS["steps"]))
     assert result.plot.exists() and result.plot.stat().st_size > 0
