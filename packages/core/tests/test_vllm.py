@@ -427,9 +427,12 @@ async def test_a_killed_server_fails_its_requests_fast_and_is_restarted_on_the_s
 
     inflight = [asyncio.create_task(ask()) for _ in range(8)]
     async with httpx.AsyncClient(base_url=engine.base_url, timeout=5) as vllm:
-        while "vllm:num_requests_running" not in (text := (await vllm.get("/metrics")).text) or re.search(
-            r"^vllm:num_requests_running\{[^}]*\} 0\.0$", text, re.M
-        ):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until vLLM reports requests running (its Prometheus gauge)
+            text = (await vllm.get("/metrics")).text
+            running = re.findall(r"^vllm:num_requests_running(?:\{[^}]*\})? ([0-9.]+)$", text, re.M)
+            if sum(float(x) for x in running) > 0:
+                break
             await asyncio.sleep(0.05)
     killed_at = time.perf_counter()
     os.kill(engine.server.pid or 0, signal.SIGKILL)

@@ -120,7 +120,12 @@ class VLLMEngine(Engine):
         try:
             resp = await self._client().post(path, json=body)
         except httpx.HTTPError as e:
-            if not self.server.alive():
+            # a dead server's connections break before its supervisor has reaped it: a moment's grace
+            for _ in range(40):
+                if self._down is not None or not self.server.alive():
+                    break
+                await asyncio.sleep(0.05)
+            if self._down is not None or not self.server.alive():
                 raise EngineDownError(
                     f"{what}: the vLLM server exited while serving it ({type(e).__name__}); "
                     f"{self._down or 'restarting it'}; log tail:\n{self.server.log_tail(20)}"
