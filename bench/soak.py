@@ -77,12 +77,13 @@ async def soak(
     seconds: float,
     concurrency: int = 64,
     group_size: int = 4,
+    groups_per_step: int = 4,
     train_every_s: float = 60.0,
     warmup_s: float = 20.0,
     max_tokens: int = 24,
 ) -> SoakReport:
-    """Run the load on a registered model for `seconds` after a warm-up (`warmup_s` of rollouts and at
-    least two finished groups, then one training step on them); rollouts never stop for a step."""
+    """Run the load on a registered model for `seconds` after a warm-up (`warmup_s` of rollouts and
+    `groups_per_step` finished groups, then one training step on them); rollouts never stop for a step."""
     client = model.openai_client().with_options(max_retries=0, timeout=300)
     latencies: list[float] = []
     errors: Counter[str] = Counter()
@@ -138,7 +139,8 @@ async def soak(
 
     async def train_once() -> None:
         nonlocal steps
-        groups, ready[:] = ready[-8:], []
+        # the same number of groups every step, so each step's memory peak is the same
+        groups, ready[:] = ready[-groups_per_step:], []
         if groups:
             try:
                 result = await model.train(groups)
@@ -151,7 +153,7 @@ async def soak(
         next_step = time.monotonic() + train_every_s
         while True:
             await asyncio.sleep(max(0.0, next_step - time.monotonic()))
-            while not ready and time.monotonic() < stop_at:  # a step needs finished groups
+            while len(ready) < groups_per_step and time.monotonic() < stop_at:
                 await asyncio.sleep(0.5)
             if time.monotonic() >= stop_at:
                 return
@@ -168,7 +170,9 @@ async def soak(
     workers = [asyncio.create_task(worker(w)) for w in range(concurrency)]
     sampler = asyncio.create_task(sample_rss())
     warm_until = time.monotonic() + warmup_s
-    while (time.monotonic() < warm_until or len(ready) < 2) and time.monotonic() < warm_until + 600:
+    while (
+        time.monotonic() < warm_until or len(ready) < groups_per_step
+    ) and time.monotonic() < warm_until + 600:
         await asyncio.sleep(0.5)
     await train_once()  # the first step allocates the optimizer state and training buffers: warm-up
     steps = 0
@@ -208,7 +212,7 @@ async def main() -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--train-every-s", type=float, default=60.0)
     p.add_argument("--warmup-s", type=float, default=20.0)
-    p.add_argument("--rss-bound-mib", type=float, default=256.0)
+    p.add_argument("--rss-bound-mib", type=float, default=512.0)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as run:
         backend = jm.LocalBackend(path=Path(run))

@@ -220,7 +220,8 @@ async def test_generator_specs_are_checked_by_name() -> None:
 
 
 async def test_the_local_model_generates_scenarios_under_the_schema(served: tuple[object, object]) -> None:
-    model, _ = served
+    model, backend = served
+    await model.register(backend)  # type: ignore[attr-defined]  # `local` is this context's latest backend
     info = ServerInfo(
         name="todo",
         tools=[

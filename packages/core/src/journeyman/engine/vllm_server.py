@@ -289,6 +289,8 @@ class VLLMServer:
         log.info("vLLM ready on %s in %.1f s (log: %s)", self.base_url, self.startup_seconds, self.log_path)
 
     def _spawn(self) -> None:
+        if self._closed:  # stopped while a restart was on its way: never a server nobody owns
+            raise VLLMStartError("the vLLM server was stopped")
         cmd, env = self.command(), self.environment()
         started = threading.Event()
         failure: list[BaseException] = []
