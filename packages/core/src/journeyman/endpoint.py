@@ -268,9 +268,9 @@ class Endpoint:
             turn = fmt.parse(text, tools=bool(req.tools) and req.tool_choice != "none")
             content, reasoning = turn.content, turn.reasoning
             calls = [{"id": fmt.family.call_id(), "type": "function", "function": c} for c in turn.tool_calls]
-            # Cut by max_tokens: "length" wins, as OpenAI reports it. A call the cut left open never
-            # parses (it stays text), so no half-written arguments reach a tool.
-            finish = "tool_calls" if calls and s.finish_reason != "length" else s.finish_reason
+            # Complete calls win, as vLLM reports them (an agent runs them even if text after them was
+            # cut); a call that max_tokens left open never parses, stays text, and the turn is "length".
+            finish = "tool_calls" if calls else s.finish_reason
             record = TokenRecord(
                 prompt_token_ids=prompt_ids,
                 token_ids=s.token_ids,
