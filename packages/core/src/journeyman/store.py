@@ -98,6 +98,9 @@ class RunStore:
         if request is not None:
             requests[request[0]] = request[1]
             requests = dict(list(requests.items())[-KEPT_REQUESTS:])
+        self._commit(step, requests, extra)
+
+    def _commit(self, step: int, requests: dict[str, Any], extra: dict[str, Any]) -> None:
         write_atomic(self.root / "state.json", json.dumps({"step": step, **extra, "requests": requests}))
 
     def request_result(self, key: str) -> dict[str, Any] | None:
@@ -220,8 +223,7 @@ class RunStore:
                 os.replace(path, path.with_name(f"{path.stem}.superseded.jsonl"))
         shutil.rmtree(self.root / "requests", ignore_errors=True)
         kept = {k: r for k, r in state.get("requests", {}).items() if int(r.get("step", 0)) <= step}
-        extra = {k: v for k, v in state.items() if k not in ("step", "requests")}
-        write_atomic(self.root / "state.json", json.dumps({"step": step, **extra, "requests": kept}))
+        self._commit(step, kept, {k: v for k, v in state.items() if k not in ("step", "requests")})
 
     def delete_checkpoints(
         self, best_checkpoint_metric: str = "val/reward", keep_latest: bool = True
