@@ -279,6 +279,49 @@ async def test_responses_route_records_the_same_tokens(served) -> None:
     assert e.value.body["param"] == "previous_response_id"
 
 
+async def test_sampling_on_merged_weights_records_the_trainers_logprobs() -> None:
+    """The engine samples with the adapter merged into the base weights; what it records must be
+    what the trainer computes on the unmerged model, and unmerging must give the base back."""
+    import torch
+    from journeyman.adapter import LoraPolicy
+    from journeyman.engine.base import SamplingParams
+    from journeyman.engine.torch_engine import TorchEngine
+    from journeyman.weights import DEFAULT_BASE_MODEL, resolve_base_model
+
+    policy = LoraPolicy(resolve_base_model(DEFAULT_BASE_MODEL))
+    base = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "base_layer" in n}
+    with policy.editing(), torch.no_grad():  # an adapter that changes the model (PEFT starts B at 0)
+        gen = torch.Generator().manual_seed(0)
+        for n, p in policy.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.02, generator=gen)
+        policy.version += 1
+    engine = TorchEngine(policy, stop_ids={policy.tokenizer.eos_token_id})
+    try:
+        prompt = policy.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Name three rivers."}], add_generation_prompt=True, return_dict=False
+        )
+        samples = await engine.generate(list(prompt), SamplingParams(n=4, max_tokens=16, seed=3))
+        changed = max(
+            (p - base[n]).abs().max().item() for n, p in policy.model.named_parameters() if n in base
+        )
+        assert changed > 1e-3  # merged: the adapter's product sits in the base weights
+        gaps = [
+            max(
+                abs(a - b)
+                for a, b in zip(policy.sampled_logprobs(list(prompt), s.token_ids), s.logprobs, strict=True)
+            )
+            for s in samples
+        ]
+        assert max(gaps) < 1e-4, gaps
+        restored = max(
+            (p - base[n]).abs().max().item() for n, p in policy.model.named_parameters() if n in base
+        )
+        assert restored < 1e-6  # `sampled_logprobs` unmerged them: fp32 round-off at most
+    finally:
+        engine.close()
+
+
 async def test_a_shared_prompt_prefix_is_prefilled_once_and_stays_exact(served) -> None:
     """Concurrent requests that share the system prompt and tools (and one with n=2) reuse one cached
     prefix KV; every record still equals the trainer's teacher-forced logprobs. A weight change

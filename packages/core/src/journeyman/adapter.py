@@ -1,8 +1,8 @@
 """The trained object: a base model with one LoRA adapter (PEFT), shared by engine and trainer.
 
 In process, the engine samples from the very module the trainer updates, so a new step needs no
-weight transfer; `lock` keeps sampling and a training step from overlapping. Saving writes the
-adapter in PEFT's format, which vLLM also loads.
+weight transfer; `sampling()` and `editing()` hold `lock`, so sampling and a training step never
+overlap. Saving writes the adapter in PEFT's format, which vLLM also loads.
 """
 
 from __future__ import annotations
@@ -81,6 +81,31 @@ class LoraPolicy:
         # Bumped whenever the adapter weights change (a step, a load): caches of activations
         # computed under older weights (the engine's shared-prefix KV) are stale after it.
         self.version = 0
+        # The adapter is folded into the base weights while sampling (see `sampling`). Only in
+        # fp32: merge and unmerge round the base weights each time, which bf16 would compound.
+        self.merges = self.dtype == torch.float32
+        self._merged = False
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        """Hold the weights to sample: the adapter merged into the base linear layers (W + BA), so
+        each layer is one matmul, not three plus PEFT's dispatch. They stay merged from batch to
+        batch; whatever changes the adapter unmerges first (`editing`)."""
+        with self.lock:
+            if self.merges and not self._merged:
+                self.model.merge_adapter()
+                self._merged = True
+            yield
+
+    @contextlib.contextmanager
+    def editing(self) -> Iterator[None]:
+        """Hold the weights to train or change the adapter: unmerged, so gradients reach the LoRA
+        matrices and a change lands in them alone."""
+        with self.lock:
+            if self._merged:
+                self.model.unmerge_adapter()
+                self._merged = False
+            yield
 
     @contextlib.contextmanager
     def base_only(self) -> Iterator[None]:
@@ -89,10 +114,10 @@ class LoraPolicy:
             yield
 
     def sampled_logprobs(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
-        """Teacher-forced logprobs of `token_ids` after `prompt_ids` under the current weights: what the
-        trainer sees, to compare with what an engine recorded for the same sample."""
+        """Teacher-forced logprobs of `token_ids` after `prompt_ids` under the current weights, unmerged
+        as the trainer sees them, to compare with what an engine recorded for the same sample."""
         ids = torch.tensor([prompt_ids + token_ids], device=self.device)
-        with torch.inference_mode(), self.lock:
+        with torch.inference_mode(), self.editing():
             logp = torch.log_softmax(self.model(input_ids=ids).logits[0].float(), dim=-1)
         n = len(prompt_ids)
         return [float(logp[n - 1 + i, t]) for i, t in enumerate(token_ids)]
@@ -108,7 +133,7 @@ class LoraPolicy:
     def reset(self) -> None:
         """Back to the base model: LoRA's B matrices to zero (as PEFT initialises them), so the
         adapter adds nothing."""
-        with self.lock, torch.no_grad():
+        with self.editing(), torch.no_grad():
             for name, p in self.model.named_parameters():
                 if "lora_B" in name:
                     p.zero_()
@@ -122,6 +147,6 @@ class LoraPolicy:
         file = path / "adapter_model.safetensors"
         if not file.exists():
             raise InvalidFieldError("checkpoint", str(path), "has no adapter_model.safetensors")
-        with self.lock:
+        with self.editing():
             set_peft_model_state_dict(self.model, load_file(str(file), device=str(self.device)))
             self.version += 1

@@ -159,7 +159,7 @@ class GRPOTrainer:
         metrics["trained_tokens"] = float(num_tokens)
         opt = self._optimizer(config)
         model = self.policy.model
-        with self.policy.lock:
+        with self.policy.editing():
             model.train()
             opt.zero_grad(set_to_none=True)
             totals: dict[str, float] = {}

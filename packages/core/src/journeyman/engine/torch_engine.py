@@ -5,7 +5,9 @@ per-request seed, stop strings or grammar masks. This loop is small: requests th
 share one batch; identical prompts (n > 1, or a GRPO group's first turn) are prefilled once;
 finished rows leave the batch; each row keeps its own temperature, top-p, seed, stop strings and
 JSON-schema mask; logprobs are those of the raw model distribution (temperature 1), the same
-quantity the trainer computes.
+quantity the trainer computes. It samples with the adapter merged into the base weights
+(`LoraPolicy.sampling`): with LoRA on every linear layer, PEFT's extra matmuls and dispatch cost
+12-23% of a decode step of the embedded model (batch 32 and 8).
 
 Agent prompts are mostly a shared prefix (system prompt, tool definitions: ~570 of ~600 tokens on
 an MCP server), and prefill was the larger part of a rollout turn. The KV of the prefix a batch's
@@ -187,7 +189,7 @@ class TorchEngine(Engine):
         ]
         model, device = self.policy.model, self.policy.device
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        with self.policy.lock:
+        with self.policy.sampling():
             model.eval()
             # Identical prompts (n > 1, or a GRPO group's first turn) are prefilled once, and the
             # prefix every prompt shares (system prompt, tool definitions) once across batches.
