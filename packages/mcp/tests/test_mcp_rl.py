@@ -122,6 +122,73 @@ async def test_a_dead_server_fails_the_rollout_and_the_pool_replaces_it(tmp_path
         assert pool.replaced == 1
 
 
+# A server whose first `lookup` call, in whichever of its processes, SIGKILLs that process.
+KILLED_ONCE = """
+import os, signal, sys
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("lookup")
+
+
+@server.tool()
+def lookup(key: str) -> str:
+    \"\"\"Look up the value stored under a key.\"\"\"
+    try:
+        open(sys.argv[1], "x").close()  # exclusive create: true for one call across all processes
+    except FileExistsError:
+        return f"{key} = 42"
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+server.run()
+"""
+
+
+async def test_a_server_killed_mid_rollout_fails_that_rollout_and_the_step_trains_on_the_rest(
+    tmp_path: Path, served: tuple[object, object]
+) -> None:
+    from journeyman_mcp.rollout import RolloutConfig, rollout
+    from journeyman_mcp.scenarios import Scenario
+
+    _, backend = served
+    model = jm.TrainableModel(name="mcp-killed", project="tests")
+    await model.register(backend)  # type: ignore[arg-type]
+    script = tmp_path / "killed_once.py"
+    script.write_text(KILLED_ONCE)
+    # Every rollout reaches the server: the end-state check calls `lookup` after the model's turn.
+    scenario = Scenario(
+        id="s", task="What is stored under 'answer'?", checks=[Check(tool="lookup", arguments={"key": "k"})]
+    )
+    cfg = RolloutConfig(max_turns=1, max_tokens=24)
+    client = model.openai_client()
+
+    async with SessionPool(
+        ServerSpec.parse([sys.executable, str(script), str(tmp_path / "killed")]), size=4
+    ) as pool:
+        info = await pool.describe()
+
+        async def one() -> jm.Trajectory:
+            async with pool.lease() as conn:
+                return await rollout(model, client, conn, info, scenario, cfg)
+
+        [group] = await jm.gather_trajectory_groups(
+            [jm.TrajectoryGroup(one() for _ in range(4))], max_exceptions=1
+        )
+        # The pool started a fresh server for the killed one: four sessions answer again.
+        async with contextlib.AsyncExitStack() as stack:
+            conns = [await stack.enter_async_context(pool.lease()) for _ in range(4)]
+            outs = [await c.call("lookup", {"key": "k"}, timeout=10) for c in conns]
+        assert all(o.text == "k = 42" for o in outs) and pool.replaced == 1
+    # The killed rollout is counted, named and kept apart; the other three are whole.
+    assert len(group.exceptions) == 1 and group.exceptions[0].type == "ServerUnavailableError"
+    assert len(group.trajectories) == 3
+    assert all(t.metrics["checks_passed"] == 1 for t in group.trajectories)
+    for i, t in enumerate(group.trajectories):
+        t.reward = float(i)
+    result = await model.train([group])
+    assert result.step == 1 and not result.skipped
+
+
 @pytest.fixture
 def todo_sse_url(tmp_path: Path):
     """The example to-do server speaking SSE on 127.0.0.1."""
