@@ -11,9 +11,18 @@ import asyncio
 import json
 from typing import Any
 
+import journeyman as jm
 import pytest
 import torch
-from agents import Agent, ModelSettings, RunConfig, function_tool, handoff
+from agents import (
+    Agent,
+    GuardrailFunctionOutput,
+    ModelSettings,
+    RunConfig,
+    function_tool,
+    handoff,
+    input_guardrail,
+)
 from agents.items import ToolCallItem
 from agents.tracing import Span, Trace, TracingProcessor, add_trace_processor
 from journeyman import History, TokenRecord, Trajectory
@@ -236,3 +245,74 @@ async def test_tracing_disabled_still_gives_records(served: tuple[Any, Any]) -> 
     _, traj = await runner.run(agent, "Weather in Rome?", run_config=RunConfig(tracing_disabled=True))
     _check_exact(backend, model, traj)
     assert traj.metadata["agents"] == [None] and "tracing disabled" in traj.logs[0]
+
+
+@input_guardrail(run_in_parallel=False)  # trips before any model call: the run leaves nothing
+def _refuse_all(ctx: Any, agent: Agent[Any], input: Any) -> GuardrailFunctionOutput:
+    return GuardrailFunctionOutput(output_info="refused", tripwire_triggered=True)
+
+
+async def test_run_stopped_by_max_turns_is_a_trajectory_and_trains(served: tuple[Any, Any]) -> None:
+    _, backend = served
+    # a model of its own on the shared backend (one more LoRA policy, ~1 s): this test trains it
+    model = jm.TrainableModel(name="agents-failed-runs", project="tests")
+    await model.register(backend)
+    # greedy forced tool calls that never end in an answer: max_turns=2 stops the run after two calls
+    looping = _weather_agent(temperature=0.0).clone(reset_tool_choice=False)
+    answering = Agent(name="Weather", model_settings=ModelSettings(max_tokens=4))  # a 4-token answer
+    refused = looping.clone(input_guardrails=[_refuse_all])
+    scoring = TrainableRunner(model, error_reward=-1.0)  # on_error="score", the default
+    runs: dict[str, Any] = {}
+
+    async def rollout(name: str, runner: TrainableRunner, agent: Agent[Any], **kw: Any) -> jm.Trajectory:
+        runs[name] = await runner.run(agent, "What is the weather in Paris?", **kw)
+        return runs[name].trajectory
+
+    async def streamed() -> jm.Trajectory:  # stopped the same way after one call: the stream ends quietly
+        runs["streamed"] = scoring.run_streamed(looping, "What is the weather in Lima?", max_turns=1)
+        async for _ in runs["streamed"].stream_events():
+            pass
+        return await runs["streamed"].trajectory()
+
+    [group] = await jm.gather_trajectory_groups(
+        [
+            jm.TrajectoryGroup(
+                [
+                    rollout("failed", scoring, looping, max_turns=2),
+                    streamed(),
+                    rollout("done", TrainableRunner(model, api="chat_completions"), answering),
+                    rollout("nothing", scoring, refused),  # no call to keep: an exception even so
+                    rollout("dropped", TrainableRunner(model, on_error="drop"), refused),
+                ]
+            )
+        ],
+        max_exceptions=1,
+    )
+    # counted apart: a kept failure is a trajectory; a run that left nothing is an exception
+    assert [x.type for x in group.exceptions] == ["InputGuardrailTripwireTriggered"]
+    assert [x.type for x in group.dropped] == ["InputGuardrailTripwireTriggered"]
+    assert len(group.trajectories) == 3 and len(group.errored()) == 2 and runs["failed"].result is None
+    failed = runs["failed"].trajectory
+    assert failed.error is not None and failed.error.type == "MaxTurnsExceeded"
+    assert runs["failed"].error == failed.error and "(2)" in failed.error.message
+    assert failed.reward == -1.0 and failed.metrics == {"llm_calls": 2, "errored": True}
+    assert failed.metadata["last_agent"] == "Weather" and failed.metadata["agents"] == ["Weather"]
+    # the two calls made before the error, each with the ids and logprobs the engine sampled
+    first, second = _check_exact(backend, model, failed)
+    assert [m["role"] for m in failed.messages()] == ["system", "user", "assistant", "tool", "assistant"]
+    assert (
+        _decoded_call(backend, model, first)[0] == _decoded_call(backend, model, second)[0] == "get_weather"
+    )
+    assert second.spliced_turns == 1 and "sunny" in failed.messages()[3]["content"]
+    stream_failed = await runs["streamed"].trajectory()
+    assert stream_failed.error is not None and stream_failed.error.type == "MaxTurnsExceeded"
+    (call,) = _check_exact(backend, model, stream_failed)
+    assert _decoded_call(backend, model, call)[0] == "get_weather" and stream_failed.reward == -1.0
+    # a group mixing them with a normal run trains: the failed runs' records are used as any other's
+    done = runs["done"].trajectory
+    assert done.error is None and done.metrics["errored"] is False
+    (answer,) = _check_exact(backend, model, done)
+    assert _decoded_text(backend, model, answer) == runs["done"].result.final_output
+    done.reward = 1.0
+    result = await model.train([group], config=jm.TrainConfig(learning_rate=1e-4))
+    assert result.step == 1 and not result.skipped

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 
+import httpx
 import journeyman as jm
+import openai
 import pytest
+from journeyman.failures import check_on_error, settle_failed_run
 from openai.types.chat.chat_completion import Choice
 
 
@@ -91,3 +94,65 @@ async def test_gather_rejects_a_bad_max_exceptions() -> None:
     with pytest.raises(jm.InvalidFieldError) as e:
         await jm.gather_trajectory_groups([], max_exceptions=-1)
     assert e.value.field == "max_exceptions"
+
+
+def _partial() -> jm.Trajectory:
+    """What an adapter built from the calls a run made before it raised."""
+    return jm.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, _choice("calling")])
+
+
+def test_failed_run_policies() -> None:
+    err = RuntimeError("max turns (2) exceeded")
+    kept = settle_failed_run(_partial(), err, "score", lambda t: -float(len(t.records())))
+    assert kept.error is not None and (kept.error.type, kept.error.message) == ("RuntimeError", str(err))
+    assert kept.reward == -1.0 and kept.metrics == {"errored": True} and "RuntimeError" in kept.logs[0]
+    back = jm.Trajectory.model_validate_json(kept.model_dump_json())
+    assert back.error == kept.error and back.records() == kept.records()
+    preset = _partial()
+    preset.reward = 0.25  # a reward the run set before it raised wins over error_reward
+    assert settle_failed_run(preset, err, "score", 0.0).reward == 0.25
+    with pytest.raises(jm.RolloutDroppedError) as dropped:
+        settle_failed_run(_partial(), err, "drop")
+    assert dropped.value.error is err
+    with pytest.raises(RuntimeError):
+        settle_failed_run(_partial(), err, "raise")
+    with pytest.raises(RuntimeError):  # no call was captured: nothing to train
+        settle_failed_run(jm.Trajectory(), err, "score")
+    # the service failing says nothing about the policy: re-raised whatever the policy
+    request = httpx.Request("POST", "http://127.0.0.1/v1/chat/completions")
+    down = openai.InternalServerError("engine_down", response=httpx.Response(503, request=request), body=None)
+    for e in (down, openai.APIConnectionError(request=request), jm.EngineDownError("gone")):
+        with pytest.raises(type(e)):
+            settle_failed_run(_partial(), e, "score")
+    too_long = openai.BadRequestError("context", response=httpx.Response(400, request=request), body=None)
+    assert settle_failed_run(_partial(), too_long, "score").error is not None  # the run outgrew the context
+    with pytest.raises(jm.InvalidFieldError) as bad:
+        check_on_error("ignore", 0.0)
+    assert bad.value.field == "on_error"
+    with pytest.raises(jm.InvalidFieldError) as bad:
+        check_on_error("score", "low")
+    assert bad.value.field == "error_reward"
+
+
+async def test_gather_counts_errored_and_dropped_apart_from_exceptions() -> None:
+    async def failed() -> jm.Trajectory:
+        return settle_failed_run(_partial(), RuntimeError("guardrail"), "score")
+
+    async def dropped() -> jm.Trajectory:
+        return settle_failed_run(_partial(), RuntimeError("guardrail"), "drop")
+
+    async def boom() -> jm.Trajectory:
+        raise RuntimeError("tool server died")
+
+    counts: list[str] = []
+    group = jm.TrajectoryGroup([failed(), dropped(), boom(), failed()])
+    await group.resolve(lambda g, outcome: counts.append(outcome))
+    assert sorted(counts) == ["dropped", "errored", "errored", "exception"]
+    # only the rollout that left nothing counts against max_exceptions
+    [group] = await jm.gather_trajectory_groups(
+        [jm.TrajectoryGroup([failed(), dropped(), boom()])], pbar_desc=None, max_exceptions=1
+    )
+    assert len(group.errored()) == 1 and len(group.dropped) == 1 and len(group.exceptions) == 1
+    assert group.dropped[0].message == "guardrail"
+    back = jm.TrajectoryGroup.model_validate_json(group.model_dump_json())
+    assert back.dropped == group.dropped and back.errored()[0].error == group.errored()[0].error

@@ -7,6 +7,7 @@ The 135M model almost never calls a tool unprompted, so the graphs force the fir
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Annotated, Any, Literal, TypedDict
 
@@ -64,22 +65,33 @@ class ToolThenAnswer(AgentMiddleware):
         return await handler(self._adjust(request))
 
 
-@pytest.fixture
-def engine_log(served: Any) -> Iterator[list[tuple[list[int], list[int]]]]:
-    """(prompt ids, sampled ids) of every sample the real engine generates during the test."""
-    model, backend = served
-    engine = backend.service(model).engine
+Sampled = tuple[list[int], list[int], list[float]]
+
+
+@contextlib.contextmanager
+def _recording(engine: Any) -> Iterator[list[Sampled]]:
+    """(prompt ids, sampled ids, their logprobs) of every sample `engine` generates meanwhile."""
     generate = engine.generate
-    log: list[tuple[list[int], list[int]]] = []
+    log: list[Sampled] = []
 
     async def recording(prompt_ids: list[int], params: Any) -> Any:
         samples = await generate(prompt_ids, params)
-        log.extend((list(prompt_ids), list(s.token_ids)) for s in samples)
+        log.extend((list(prompt_ids), list(s.token_ids), list(s.logprobs)) for s in samples)
         return samples
 
     engine.generate = recording
-    yield log
-    del engine.generate
+    try:
+        yield log
+    finally:
+        del engine.generate
+
+
+@pytest.fixture
+def engine_log(served: Any) -> Iterator[list[Sampled]]:
+    """What the real engine samples during the test."""
+    model, backend = served
+    with _recording(backend.service(model).engine) as log:
+        yield log
 
 
 @pytest.fixture
@@ -92,9 +104,9 @@ def _records(t: jm.Trajectory) -> list[jm.TokenRecord]:
     return [*t.records(), *(r for h in t.additional_histories for r in h.records())]
 
 
-def _assert_exact(t: jm.Trajectory, log: list[tuple[list[int], list[int]]]) -> None:
+def _assert_exact(t: jm.Trajectory, log: list[Sampled]) -> None:
     for rec in _records(t):
-        assert (rec.prompt_token_ids, rec.token_ids) in log
+        assert (rec.prompt_token_ids, rec.token_ids, rec.logprobs) in log
 
 
 def _assert_tool_results_masked(t: jm.Trajectory, chat_format: ChatFormat) -> None:
@@ -296,3 +308,93 @@ async def test_return_value_and_scope_errors(served: Any) -> None:
 
     t = await nothing_marked()
     assert t.reward == 1.0 and not t.messages_and_choices and "no trainable LLM call" in t.logs[0]
+
+
+class ToolBudgetError(RuntimeError):
+    """A node's own failure: the agent looked the weather up twice and still gave no answer."""
+
+
+def looping_graph(llm: Any) -> Any:
+    """The policy calls get_weather on every visit; the agent node raises on the third."""
+
+    def agent(state: WeatherState) -> dict[str, Any]:
+        if sum(isinstance(m, ToolMessage) for m in state["messages"]) >= 2:
+            raise ToolBudgetError("two weather lookups and still no answer")
+        return {
+            "messages": [llm.bind_tools([get_weather], tool_choice="get_weather").invoke(state["messages"])]
+        }
+
+    g = StateGraph(WeatherState)
+    g.add_node("agent", agent)
+    g.add_node("tools", ToolNode([get_weather]))
+    g.add_edge(START, "agent")
+    g.add_edge("agent", "tools")
+    g.add_edge("tools", "agent")
+    return g.compile()
+
+
+async def test_episode_whose_node_raises_is_a_trajectory_and_trains(
+    served: Any, chat_format: ChatFormat
+) -> None:
+    _, backend = served
+    # a model of its own on the shared backend (one more LoRA policy, ~1 s): this test trains it
+    model = jm.TrainableModel(name="langgraph-failed-runs", project="tests")
+    await model.register(backend)
+    graph = looping_graph(trainable(chat_model(model, max_tokens=TOOL_MAX_TOKENS, temperature=0.0)))
+    answer = trainable(chat_model(model, max_tokens=4))
+
+    @trajectory(model, error_reward=lambda t: -float(len(t.records())))  # on_error="score", the default
+    async def failing(question: str) -> float:
+        current_trajectory().metadata["question"] = question  # kept on the failed trajectory
+        await graph.ainvoke({"messages": [("user", question)]})
+        return 1.0
+
+    @trajectory(model)
+    async def answering(question: str) -> float:
+        await answer.ainvoke(question)
+        return 1.0
+
+    @trajectory(model)
+    def broken(question: str) -> float:  # sync, raises before any call: nothing to keep
+        raise ToolBudgetError(question)
+
+    dropping = trajectory(model, on_error="drop")(broken.__wrapped__)
+    q = "What is the weather in Oslo?"
+    with _recording(backend.service(model).engine) as log:
+        [group] = await jm.gather_trajectory_groups(
+            [
+                jm.TrajectoryGroup(
+                    [failing(q), answering(q), asyncio.to_thread(broken, q), asyncio.to_thread(dropping, q)]
+                )
+            ],
+            max_exceptions=1,
+        )
+    # counted apart: a kept failure is a trajectory; a run that left nothing is an exception
+    assert [x.type for x in group.exceptions] == [x.type for x in group.dropped] == ["ToolBudgetError"]
+    (failed,) = group.errored()
+    assert len(group.trajectories) == 2 and len(log) == 3
+    assert failed.error is not None and failed.error.type == "ToolBudgetError"
+    assert failed.error.message == "two weather lookups and still no answer"
+    assert "in agent" in failed.error.traceback  # the node that raised
+    assert failed.reward == -2.0 and failed.metrics == {"errored": True}
+    assert failed.metadata["question"] == q and failed.metadata["langgraph_nodes"] == ["agent", "agent"]
+    # the two calls made before the error, with the ids and logprobs the engine sampled
+    assert _roles(failed) == ["user", "choice", "tool", "choice"]  # the last tool result reached no call
+    assert [rec.spliced_turns for rec in failed.records()] == [0, 1]
+    _assert_exact(failed, log)
+    _assert_tool_results_masked(failed, chat_format)
+    # a group mixing it with a normal episode trains: the failed run's records are used as any other's
+    (done,) = [t for t in group.trajectories if t.error is None]
+    assert done.reward == 1.0 and done.metrics == {"errored": False}
+    _assert_exact(done, log)
+    result = await model.train([group], config=jm.TrainConfig(learning_rate=1e-4))
+    assert result.step == 1 and not result.skipped
+
+    @trajectory(model, on_error="raise")
+    async def raising() -> float:
+        raise ToolBudgetError("as it was")
+
+    with pytest.raises(ToolBudgetError, match="as it was"):
+        await raising()
+    with pytest.raises(jm.InvalidFieldError, match="on_error"):
+        trajectory(model, on_error="ignore")  # type: ignore[arg-type]

@@ -9,6 +9,9 @@ Per run:
   runs (separate asyncio tasks) never share calls.
 - The run's trace is watched by the `SpanCollector` trace processor, which says which agent made
   each call. Calls and spans are joined per request into the trajectory (`_build`).
+- A run that raises (`MaxTurnsExceeded`, a guardrail tripwire, `ModelBehaviorError`) is still a
+  trajectory of the calls made before the error, with `error` set, under `on_error="score"` (the
+  default; `journeyman.failures`). The SDK's `UserError` (a misconfigured agent) always re-raises.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from collections.abc import AsyncIterator, Collection
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from agents import Agent, RunConfig, Runner
+from agents.exceptions import UserError
 from agents.result import RunResult, RunResultStreaming
 from agents.stream_events import StreamEvent
 from agents.tracing import gen_trace_id, get_current_trace
-from journeyman import CapturedCall, capture_scope
+from journeyman import CapturedCall, RolloutException, capture_scope
+from journeyman.failures import ErrorReward, OnError, check_on_error, settle_failed_run
 
 from ._build import build_trajectory
 from ._provider import JourneymanModelProvider, ModelAPI
@@ -32,14 +37,26 @@ if TYPE_CHECKING:
 
 
 class AgentRun(NamedTuple):
-    """What `TrainableRunner.run` returns: the SDK's result and the run's trajectory."""
+    """What `TrainableRunner.run` returns: the SDK's result and the run's trajectory.
 
-    result: RunResult
+    `result` is None when the run raised and was kept (`on_error="score"`): `trajectory.error`
+    (also `error` here) says what it raised, and `trajectory` holds the calls made before.
+    """
+
+    result: RunResult | None
     trajectory: Trajectory
+
+    @property
+    def error(self) -> RolloutException | None:
+        return self.trajectory.error
 
 
 class StreamedAgentRun:
-    """A streamed run: consume `stream_events()` as with the SDK, then `await trajectory()`."""
+    """A streamed run: consume `stream_events()` as with the SDK, then `await trajectory()`.
+
+    A run that raises ends the stream quietly, and `trajectory()` settles it by the runner's
+    `on_error` (under `"raise"` the stream raises, as the SDK's does).
+    """
 
     def __init__(
         self, runner: TrainableRunner, result: RunResultStreaming, capture_id: str, trace_id: str
@@ -49,18 +66,33 @@ class StreamedAgentRun:
         self._capture_id = capture_id
         self._trace_id = trace_id
         self._trajectory: Trajectory | None = None
+        self._error: Exception | None = None
 
-    def stream_events(self) -> AsyncIterator[StreamEvent]:
-        return self.result.stream_events()
+    async def stream_events(self) -> AsyncIterator[StreamEvent]:
+        try:
+            async for event in self.result.stream_events():
+                yield event
+        except Exception as e:
+            self._error = e
+            if self._runner.on_error == "raise":
+                await self._settle()  # frees what the endpoint filed for the run, then re-raises `e`
 
     async def trajectory(self) -> Trajectory:
         """The run's trajectory; drains the stream first if it was not consumed to the end."""
         if self._trajectory is None:
             if not self.result.is_complete:
-                async for _ in self.result.stream_events():
+                async for _ in self.stream_events():
                     pass
-            self._trajectory = await self._runner._finish(self._capture_id, self._trace_id, self.result)
+            self._trajectory = await self._settle()
         return self._trajectory
+
+    async def _settle(self) -> Trajectory:
+        # the SDK's own property covers a stream consumed through `result.stream_events()`
+        late = self.result.run_loop_exception
+        error = self._error or (late if isinstance(late, Exception) else None)
+        return await self._runner._finish(
+            self._capture_id, self._trace_id, self.result if error is None else None, error
+        )
 
 
 class TrainableRunner:
@@ -73,6 +105,12 @@ class TrainableRunner:
     `api="chat_completions"` uses `OpenAIChatCompletionsModel` instead. `trained_agents` names the
     agents whose calls are trained (default: all served by `model`); the others' calls are kept as
     untrainable additional histories.
+
+    A run that raises (turn limit, guardrail tripwire, model behaviour error) follows `on_error`:
+    `"score"` (default) returns `AgentRun(None, trajectory)`, the trajectory holding the calls made
+    before the error, `error` set and reward `error_reward` (a number or a function of the
+    trajectory); `"drop"` raises `RolloutDroppedError` (a group counts it as dropped); `"raise"`
+    re-raises. Service failures and the SDK's `UserError` always re-raise (`journeyman.failures`).
     """
 
     def __init__(
@@ -81,10 +119,14 @@ class TrainableRunner:
         *,
         api: ModelAPI = "responses",
         trained_agents: Collection[str] | None = None,
+        on_error: OnError = "score",
+        error_reward: ErrorReward = 0.0,
     ) -> None:
         self.model = model
         self.provider = JourneymanModelProvider(model, api=api)
         self.trained_agents = set(trained_agents) if trained_agents is not None else None
+        self.on_error: OnError = check_on_error(on_error, error_reward)
+        self.error_reward = error_reward
         self._collector = collector()
 
     def _config(self, run_config: RunConfig | None) -> tuple[RunConfig, str]:
@@ -99,31 +141,52 @@ class TrainableRunner:
         return (await self.model.pop_captures([capture_id]))[capture_id]
 
     async def _finish(
-        self, capture_id: str, trace_id: str, result: RunResult | RunResultStreaming
+        self,
+        capture_id: str,
+        trace_id: str,
+        result: RunResult | RunResultStreaming | None,
+        error: Exception | None = None,
     ) -> Trajectory:
+        """The run's trajectory; for a run that raised `error`, settled by `on_error` (may raise)."""
         trajectory = build_trajectory(
             await self._calls(capture_id), self._collector.release(trace_id), self.trained_agents
         )
         trajectory.metadata["trace_id"] = trace_id
-        trajectory.metadata["last_agent"] = result.last_agent.name
-        if isinstance(result.final_output, str):
-            trajectory.metadata["final_output"] = result.final_output
+        if result is None and error is not None:
+            if isinstance(error, UserError):  # the agent's setup is wrong, not the policy
+                raise error
+            run_data = getattr(error, "run_data", None)
+            if run_data is not None:
+                trajectory.metadata["last_agent"] = run_data.last_agent.name
+            return settle_failed_run(trajectory, error, self.on_error, self.error_reward)
+        if result is not None:
+            trajectory.metadata["last_agent"] = result.last_agent.name
+            if isinstance(result.final_output, str):
+                trajectory.metadata["final_output"] = result.final_output
+        trajectory.metrics["errored"] = False
         return trajectory
 
     async def run(
         self, starting_agent: Agent[Any], input: Any, *, run_config: RunConfig | None = None, **kwargs: Any
     ) -> AgentRun:
-        """`Runner.run(starting_agent, input, **kwargs)` on `model`, plus the run's trajectory."""
+        """`Runner.run(starting_agent, input, **kwargs)` on `model`, plus the run's trajectory.
+
+        `result` is None when the run raised and `on_error="score"` kept it.
+        """
         config, trace_id = self._config(run_config)
         self._collector.watch(trace_id)
+        error: Exception | None = None
+        result: RunResult | None = None
         with capture_scope() as capture_id:
             try:
                 result = await Runner.run(starting_agent, input, run_config=config, **kwargs)
-            except BaseException:
-                await self._calls(capture_id)  # drop what the endpoint filed for the failed run
+            except Exception as e:
+                error = e  # settled below, with the calls the endpoint filed before it
+            except BaseException:  # cancelled or interrupted: free what the endpoint filed
+                await self._calls(capture_id)
                 self._collector.release(trace_id)
                 raise
-        return AgentRun(result, await self._finish(capture_id, trace_id, result))
+        return AgentRun(result, await self._finish(capture_id, trace_id, result, error))
 
     def run_streamed(
         self, starting_agent: Agent[Any], input: Any, *, run_config: RunConfig | None = None, **kwargs: Any

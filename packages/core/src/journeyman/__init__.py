@@ -23,10 +23,12 @@ from .errors import (
     NoTrainableTokensError,
     ProtocolMismatchError,
     RemoteError,
+    RolloutDroppedError,
     TooManyExceptionsError,
     TrainerRankError,
     UnknownModelError,
 )
+from .failures import OnError
 from .gather import gather_trajectory_groups
 from .local_backend import LocalBackend
 from .model import Capture, TrainableModel
@@ -56,9 +58,11 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "NoTrainableTokensError",
+    "OnError",
     "ProtocolMismatchError",
     "RemoteBackend",
     "RemoteError",
+    "RolloutDroppedError",
     "RolloutException",
     "RulerConfig",
     "RulerJudgeError",

@@ -84,6 +84,18 @@ class TooManyExceptionsError(JourneymanError, RuntimeError):
         )
 
 
+class RolloutDroppedError(JourneymanError):
+    """A run raised and an adapter's `on_error="drop"` discards it; `error` is what it raised.
+
+    A TrajectoryGroup counts it under `dropped`, not `exceptions`: the user chose to ignore such
+    runs, so they do not count against `max_exceptions`.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        super().__init__(f"on_error='drop': the run raised {type(error).__name__}: {error}")
+
+
 class NoTrainableTokensError(InvalidFieldError):
     """A trajectory has no sampled assistant tokens to train on."""
 
@@ -149,6 +161,7 @@ __all__ = [
     "NoTrainableTokensError",
     "ProtocolMismatchError",
     "RemoteError",
+    "RolloutDroppedError",
     "TooManyExceptionsError",
     "TrainerRankError",
     "UnknownModelError",

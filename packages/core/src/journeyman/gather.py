@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from .errors import InvalidFieldError, TooManyExceptionsError
 from .observe import GroupContext, emit
-from .types import TrajectoryGroup
+from .types import Outcome, TrajectoryGroup
 
 AfterEach = Callable[[TrajectoryGroup], TrajectoryGroup | Awaitable[TrajectoryGroup | None] | None]
 
@@ -28,7 +28,10 @@ async def gather_trajectory_groups(
     `max_exceptions`: how many rollouts may raise (an int count, or a fraction in (0, 1) of all
     rollouts) before this raises `TooManyExceptionsError`. That error is raised only after every
     rollout has finished and carries the finished groups, so nothing gathered is lost. Exceptions
-    below the limit stay on each group's `exceptions`. `after_each` runs on each group as soon as
+    below the limit stay on each group's `exceptions`. A run that raised but was kept by its
+    adapter (`on_error="score"`, see `journeyman.failures`) is a trajectory with `error` set:
+    counted as `errored` on the progress bar, never against `max_exceptions`, and trained; one
+    its adapter dropped is on the group's `dropped`. `after_each` runs on each group as soon as
     its rollouts finish (e.g. `ruler_score_group`) and may return a replacement group.
     """
     if isinstance(max_exceptions, bool) or not isinstance(max_exceptions, int | float) or max_exceptions < 0:
@@ -36,19 +39,24 @@ async def gather_trajectory_groups(
             "max_exceptions", max_exceptions, "must be a count >= 0 or a fraction in (0, 1)"
         )
     items = [g if isinstance(g, TrajectoryGroup) else await g for g in groups]
-    total = sum(len(g.pending) + len(g.trajectories) + len(g.exceptions) for g in items)
+    total = sum(len(g.pending) + len(g.trajectories) + len(g.exceptions) + len(g.dropped) for g in items)
     limit = max_exceptions * total if 0 < max_exceptions < 1 else max_exceptions
     bar = tqdm(total=total, desc=pbar_desc, disable=pbar_desc is None, unit="rollout")
     rewards: list[float] = []
-    failed = 0
+    counts: dict[Outcome, int] = {"trajectory": 0, "errored": 0, "dropped": 0, "exception": 0}
 
-    def on_result(group: TrajectoryGroup, ok: bool) -> None:
-        nonlocal failed
-        if ok:
+    def on_result(group: TrajectoryGroup, outcome: Outcome) -> None:
+        counts[outcome] += 1
+        if outcome in ("trajectory", "errored"):
             rewards.append(group.trajectories[-1].reward)
-        else:
-            failed += 1
-        bar.set_postfix(reward=f"{sum(rewards) / max(1, len(rewards)):.3f}", exceptions=failed)
+        shown: dict[str, object] = {
+            "reward": f"{sum(rewards) / max(1, len(rewards)):.3f}",
+            "errored": counts["errored"],
+            "exceptions": counts["exception"],
+        }
+        if counts["dropped"]:
+            shown["dropped"] = counts["dropped"]
+        bar.set_postfix(shown)
         bar.update(1)
 
     async def run(group: TrajectoryGroup) -> TrajectoryGroup:
@@ -66,6 +74,6 @@ async def gather_trajectory_groups(
         bar.close()
     kept = [g for g in done if g.trajectories]
     emit(kept, GroupContext(source="gather"))
-    if failed > limit:
-        raise TooManyExceptionsError(failed, total, max_exceptions, kept)
+    if counts["exception"] > limit:
+        raise TooManyExceptionsError(counts["exception"], total, max_exceptions, kept)
     return kept

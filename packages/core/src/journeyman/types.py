@@ -6,14 +6,14 @@ import asyncio
 import inspect
 import math
 import traceback
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .errors import EmptyGroupError, InvalidFieldError, OwnErrorsModel
+from .errors import EmptyGroupError, InvalidFieldError, OwnErrorsModel, RolloutDroppedError
 from .messages import Message, message_of_choice
 
 MessageOrChoice = Message | Choice
@@ -57,6 +57,19 @@ def _as_choice_or_message(item: Any) -> MessageOrChoice:
     )
 
 
+class RolloutException(BaseModel):
+    """What a rollout raised: on a group's `exceptions` (it produced nothing), or on a Trajectory's
+    `error` (a run that raised, kept with the calls it made before)."""
+
+    type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def from_exception(cls, e: BaseException) -> RolloutException:
+        return cls(type=type(e).__name__, message=str(e), traceback="".join(traceback.format_exception(e)))
+
+
 class History(OwnErrorsModel):
     """A side conversation inside a rollout (its own prompt prefix): trained or not, never merged."""
 
@@ -98,6 +111,11 @@ class Trajectory(History):
     logs: list[str] = Field(default_factory=list)
     additional_histories: list[History] = Field(default_factory=list)
     start_time: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    error: RolloutException | None = Field(
+        default=None,
+        description="set when the run raised (turn limit, guardrail, ...): the trajectory holds the "
+        "calls made before it and trains like any other; see `journeyman.failures`",
+    )
 
     @field_validator("reward")
     @classmethod
@@ -112,17 +130,27 @@ class Trajectory(History):
         self.logs.append(message)
 
 
+Outcome = Literal["trajectory", "errored", "dropped", "exception"]
+"""How one rollout ended: a trajectory; a trajectory of a run that raised (its `error` set); a run
+discarded by its `on_error="drop"` policy; an exception that left nothing."""
+
+
 class TrajectoryGroup(BaseModel):
     """The rollouts of one scenario. GRPO compares rewards within a group.
 
     Accepts finished trajectories, or awaitables of them (gathered by `gather_trajectory_groups`
-    or by awaiting the group). Exceptions raised by rollouts are kept, not lost.
+    or by awaiting the group). Exceptions raised by rollouts are kept, not lost: on `exceptions`
+    when the rollout left nothing, on `dropped` when an adapter's `on_error="drop"` discarded the
+    run. A run an adapter kept despite its error is a trajectory (`error` set) and trains.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     trajectories: list[Trajectory] = Field(default_factory=list)
     exceptions: list[RolloutException] = Field(default_factory=list)
+    dropped: list[RolloutException] = Field(
+        default_factory=list, description='runs that raised and were discarded by on_error="drop"'
+    )
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     def __init__(
@@ -139,7 +167,7 @@ class TrajectoryGroup(BaseModel):
                 )
         pending = [t for t in items if not isinstance(t, Trajectory | dict)]
         done = [t for t in items if isinstance(t, Trajectory | dict)]
-        if not items and not data.get("exceptions"):
+        if not items and not data.get("exceptions") and not data.get("dropped"):
             raise EmptyGroupError()
         super().__init__(trajectories=done, **data)
         self._pending = pending
@@ -148,21 +176,27 @@ class TrajectoryGroup(BaseModel):
     def pending(self) -> list[Awaitable[Trajectory]]:
         return self._pending
 
-    async def resolve(self, on_result: Any = None) -> TrajectoryGroup:
+    async def resolve(
+        self, on_result: Callable[[TrajectoryGroup, Outcome], None] | None = None
+    ) -> TrajectoryGroup:
         """Await pending rollouts; each exception is recorded on the group instead of raised."""
 
         async def one(aw: Awaitable[Trajectory]) -> None:
+            outcome: Outcome
             try:
                 t = await aw
                 if not isinstance(t, Trajectory):
                     raise InvalidFieldError("rollout result", t, "a rollout must return a Trajectory")
                 self.trajectories.append(t)
-                ok = True
+                outcome = "errored" if t.error is not None else "trajectory"
+            except RolloutDroppedError as e:
+                self.dropped.append(RolloutException.from_exception(e.error))
+                outcome = "dropped"
             except Exception as e:
                 self.exceptions.append(RolloutException.from_exception(e))
-                ok = False
+                outcome = "exception"
             if on_result is not None:
-                on_result(self, ok)
+                on_result(self, outcome)
 
         pending, self._pending = self._pending, []
         await asyncio.gather(*(one(aw) for aw in pending))
@@ -174,15 +208,9 @@ class TrajectoryGroup(BaseModel):
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
 
-
-class RolloutException(BaseModel):
-    type: str
-    message: str
-    traceback: str
-
-    @classmethod
-    def from_exception(cls, e: BaseException) -> RolloutException:
-        return cls(type=type(e).__name__, message=str(e), traceback="".join(traceback.format_exception(e)))
+    def errored(self) -> list[Trajectory]:
+        """The trajectories of runs that raised and were kept (`error` set); they train as the others."""
+        return [t for t in self.trajectories if t.error is not None]
 
 
 TrajectoryGroup.model_rebuild()
@@ -190,6 +218,7 @@ TrajectoryGroup.model_rebuild()
 __all__ = [
     "History",
     "MessageOrChoice",
+    "Outcome",
     "RolloutException",
     "TokenRecord",
     "Tool",

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar, overload
 
 from journeyman import InvalidFieldError, TrainableModel, Trajectory
+from journeyman.failures import ErrorReward, OnError, check_on_error, settle_failed_run
 from journeyman.histories import histories_of
 from langchain_core.language_models import BaseChatModel
 from langchain_core.runnables import Runnable, RunnableBinding
@@ -64,9 +65,9 @@ class _EpisodeScope:
         cap._episode.reset(ep_t)
 
     async def finish(self, result: Any) -> Trajectory:
-        ep = self.episode
-        calls = _latest_per_run(await ep.pop_calls())
-        t = ep.trajectory
+        """The episode returned `result` (its reward, or ART style its Trajectory)."""
+        calls = await self._pop()  # first: a refused return value must not strand them on the endpoint
+        t = self.episode.trajectory
         if isinstance(result, Trajectory):  # ART style: the function built the Trajectory itself
             if result.messages_and_choices:
                 raise InvalidFieldError(
@@ -82,6 +83,26 @@ class _EpisodeScope:
         else:
             t.reward, metrics = _reward(result, self.name)
             t.metrics = {**t.metrics, **metrics}
+        self._fill(t, calls)
+        t.metrics["errored"] = False
+        self._warn(t)
+        return t
+
+    async def failed(self, error: BaseException, on_error: OnError, error_reward: ErrorReward) -> Trajectory:
+        """The episode raised: its calls so far become the trajectory, settled by `on_error` (may raise)."""
+        calls = await self._pop()  # whatever the outcome: nothing is left on the endpoint
+        t = self.episode.trajectory  # keeps what the function put on current_trajectory() before
+        self._fill(t, calls)
+        t = settle_failed_run(t, error, on_error, error_reward)
+        self._warn(t)
+        return t
+
+    async def _pop(self) -> list[tuple[cap.Request, Any]]:
+        return _latest_per_run(await self.episode.pop_calls())
+
+    def _fill(self, t: Trajectory, calls: list[tuple[cap.Request, Any]]) -> None:
+        """Put the episode's calls on `t` as its histories."""
+        ep = self.episode
         hs = histories_of([c for _, c in calls])  # one partition: the policy's calls join across nodes
         if hs:
             t.messages_and_choices = hs[0].messages_and_choices
@@ -97,12 +118,13 @@ class _EpisodeScope:
                 )
         t.metadata["langgraph_nodes"] = [req.node for req, _ in calls]
         t.metadata["untrained_calls"] = ep.untrained_calls
+
+    def _warn(self, t: Trajectory) -> None:
         for line in t.logs:
             log.warning("%s: %s", self.name, line)
-        return t
 
     async def discard(self) -> None:
-        """The episode raised: free what the endpoint filed for it."""
+        """The episode was cancelled or interrupted: free what the endpoint filed for it."""
         await self.episode.pop_calls()
 
 
@@ -126,7 +148,9 @@ def _latest_per_run(calls: list[tuple[cap.Request, Any]]) -> list[tuple[cap.Requ
     return [(req, c) for i, (req, c) in enumerate(calls) if req.run is None or last[req.run.run_id] == i]
 
 
-def trajectory(model: TrainableModel) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
+def trajectory(
+    model: TrainableModel, *, on_error: OnError = "score", error_reward: ErrorReward = 0.0
+) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
     """Mark the unit of an episode: a function that runs the graph for one scenario and returns its reward.
 
     Calling the decorated function returns a `journeyman.Trajectory` instead of the reward (awaitable
@@ -143,11 +167,18 @@ def trajectory(model: TrainableModel) -> Callable[[Callable[P, Any]], Callable[P
             return score(out)
 
         traj = await rollout(scenario)
+
+    An episode that raises (a node's exception, `GraphRecursionError`) follows `on_error`:
+    `"score"` (default) returns the trajectory of the calls made before the error, `error` set and
+    reward `error_reward` (a number, or a function of the trajectory); `"drop"` raises
+    `RolloutDroppedError` (a group counts it as dropped); `"raise"` re-raises the exception.
+    Service failures (endpoint unreachable, 5xx, timeouts) always re-raise (`journeyman.failures`).
     """
     if not isinstance(model, TrainableModel):
         raise InvalidFieldError(
             "model", model, "trajectory() takes the journeyman.TrainableModel being trained"
         )
+    policy = check_on_error(on_error, error_reward)
 
     def decorate(fn: Callable[P, Any]) -> Callable[P, Any]:
         name = getattr(fn, "__qualname__", repr(fn))
@@ -159,6 +190,8 @@ def trajectory(model: TrainableModel) -> Callable[[Callable[P, Any]], Callable[P
                 try:
                     with scope:
                         result = await fn(*args, **kwargs)
+                except Exception as e:
+                    return await scope.failed(e, policy, error_reward)
                 except BaseException:
                     await scope.discard()
                     raise
@@ -172,6 +205,8 @@ def trajectory(model: TrainableModel) -> Callable[[Callable[P, Any]], Callable[P
             try:
                 with scope:
                     result = fn(*args, **kwargs)
+            except Exception as e:
+                return _run_sync(scope.failed(e, policy, error_reward))
             except BaseException:
                 _run_sync(scope.discard())
                 raise

@@ -140,7 +140,12 @@ async def _score(
         "skipped": False,
         "answer": answer,  # the judge's raw JSON, for debugging a judge
     }
-    return TrajectoryGroup(out, exceptions=list(group.exceptions), metadata={**group.metadata, "ruler": info})
+    return TrajectoryGroup(
+        out,
+        exceptions=list(group.exceptions),
+        dropped=list(group.dropped),
+        metadata={**group.metadata, "ruler": info},
+    )
 
 
 async def _ask(
@@ -190,7 +195,12 @@ def _skipped(group: TrajectoryGroup, judge: str, error: Exception) -> Trajectory
             )
         )
     info = {"judge": judge, "skipped": True, "error": f"{type(error).__name__}: {error}"}
-    return TrajectoryGroup(out, exceptions=list(group.exceptions), metadata={**group.metadata, "ruler": info})
+    return TrajectoryGroup(
+        out,
+        exceptions=list(group.exceptions),
+        dropped=list(group.dropped),
+        metadata={**group.metadata, "ruler": info},
+    )
 
 
 __all__ = ["RulerJudgeError", "ruler_score_group"]
