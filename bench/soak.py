@@ -21,6 +21,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -163,8 +164,17 @@ async def soak(
     rss: list[tuple[bool, float]] = []  # (measured part?, RSS MiB), once a second from the start
 
     async def sample_rss() -> None:
+        start = time.monotonic()
         while time.monotonic() < stop_at:
             rss.append((measuring, rss_mib()))
+            if len(rss) % 60 == 0:  # a line a minute: long runs show where they are
+                print(
+                    f"[soak {(time.monotonic() - start) / 60:.0f} min] {rollouts} rollouts, "
+                    f"{sum(errors.values())} errors, {steps} train steps, RSS {rss[-1][1]:.0f} MiB"
+                    + ("" if measuring else " (warm-up)"),
+                    file=sys.stderr,
+                    flush=True,
+                )
             await asyncio.sleep(1.0)
 
     workers = [asyncio.create_task(worker(w)) for w in range(concurrency)]
