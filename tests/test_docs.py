@@ -66,6 +66,9 @@ READER_NAMES: dict[tuple[str, str], set[str]] = {
         "scenarios",
     },
     ("packages/langgraph/README.md", "def executor(state):"): {"tools"},
+    # the on_error policies side by side: alternatives, not a program
+    ("packages/langgraph/README.md", 'strict = trajectory(model, on_error="raise")'): set(),
+    ("packages/agents-sdk/README.md", 'TrainableRunner(model, on_error="raise")'): set(),
     ("docs/ruler.md", "rollout(model, s)"): {"rollout", "model", "scenarios"},
     # also asks a judge server on 127.0.0.1:8000
     ("docs/ruler.md", "rubric=MY_RUBRIC"): {"MY_RUBRIC"},

@@ -314,7 +314,7 @@ def test_a_shared_prefix_runs_once_with_the_same_logprobs_and_gradients(served) 
     targets = ids[:, 1:][rows_idx, pos_idx]
     params = service.policy.trainable_parameters()
     results = []
-    with service.policy.lock:
+    with service.policy.editing():  # unmerged: the shared model may be merged from sampling
         for n in (0, shared):
             logp = service.trainer._logprobs(ids, attn, rows_idx, pos_idx, targets, n)
             grads = torch.autograd.grad((logp * torch.linspace(-1, 1, len(logp))).sum(), params)
