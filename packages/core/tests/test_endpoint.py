@@ -322,6 +322,43 @@ async def test_sampling_on_merged_weights_records_the_trainers_logprobs() -> Non
         engine.close()
 
 
+async def test_a_request_arriving_mid_batch_joins_it_and_is_answered_first(served) -> None:
+    """Continuous batching: a short request sent while a long one samples joins that batch (no
+    wait for it to finish) and is answered as soon as its own row is done; both records stay what
+    the trainer computes."""
+    from journeyman.engine.base import SamplingParams
+    from journeyman.engine.torch_engine import TorchEngine
+
+    model, backend = served
+    policy = backend.service(model).policy
+    engine = TorchEngine(policy, stop_ids=set())  # no stop token: every row samples max_tokens
+    tok = policy.tokenizer
+
+    def prompt(text: str) -> list[int]:
+        return list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+            )
+        )
+
+    try:
+        long = asyncio.create_task(
+            engine.generate(prompt("Tell me a story."), SamplingParams(max_tokens=48, seed=1))
+        )
+        while engine.batches == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # a few decode steps in
+        [short] = await engine.generate(prompt("Say hi."), SamplingParams(max_tokens=4, seed=2, n=1))
+        assert not long.done() and engine.rows_joined == 1 and engine.batches == 2
+        [longer] = await long
+        assert len(short.token_ids) == 4 and len(longer.token_ids) == 48
+        for text, s in (("Say hi.", short), ("Tell me a story.", longer)):
+            again = policy.sampled_logprobs(prompt(text), s.token_ids)
+            assert max(abs(a - b) for a, b in zip(again, s.logprobs, strict=True)) < 1e-4
+    finally:
+        engine.close()
+
+
 async def test_a_shared_prompt_prefix_is_prefilled_once_and_stays_exact(served) -> None:
     """Concurrent requests that share the system prompt and tools (and one with n=2) reuse one cached
     prefix KV; every record still equals the trainer's teacher-forced logprobs. A weight change

@@ -85,6 +85,10 @@ class LoraPolicy:
         # fp32: merge and unmerge round the base weights each time, which bf16 would compound.
         self.merges = self.dtype == torch.float32
         self._merged = False
+        # Callers waiting in `editing`: the engine admits no new rows while there are any, so a
+        # continuously fed batch drains and a training step gets the weights.
+        self.editors_waiting = 0
+        self._count_lock = threading.Lock()
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[None]:
@@ -101,11 +105,20 @@ class LoraPolicy:
     def editing(self) -> Iterator[None]:
         """Hold the weights to train or change the adapter: unmerged, so gradients reach the LoRA
         matrices and a change lands in them alone."""
-        with self.lock:
+        with self._count_lock:
+            self.editors_waiting += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self._count_lock:
+                self.editors_waiting -= 1
+        try:
             if self._merged:
                 self.model.unmerge_adapter()
                 self._merged = False
             yield
+        finally:
+            self.lock.release()
 
     @contextlib.contextmanager
     def base_only(self) -> Iterator[None]:

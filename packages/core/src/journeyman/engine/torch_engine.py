@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -44,6 +45,8 @@ class _Job:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[list[Sample]]
+    samples: list[Sample | None] = field(default_factory=list)  # by row index, as rows finish
+    left: int = 0  # rows still sampling
 
 
 @dataclass
@@ -59,11 +62,64 @@ class _Row:
     text: str | None = None
 
 
+@dataclass
+class _Batch:
+    """The rows being sampled, each with its slots in one static KV cache (left-padded to a common
+    length) and the logits of its next token."""
+
+    rows: list[_Row]
+    cache: StaticCache
+    mask: torch.Tensor  # (B, slots filled): which cache slots each row attends to
+    pos: torch.Tensor  # (B, 1): position id of each row's latest token
+    logits: torch.Tensor  # (B, V): for each row's next token
+    temps: torch.Tensor  # (B,)
+    top_ps: torch.Tensor  # (B,)
+
+
+def _room(rows: list[_Row]) -> int:
+    """Cache slots the rows may still need: the most tokens any of them may yet sample."""
+    return max(r.job.params.max_tokens - len(r.tokens) for r in rows)
+
+
+def _join(a: _Batch, b: _Batch, config: Any) -> _Batch:
+    """One batch of both: each row's filled slots right-aligned to the longer of the two, so every
+    row writes its next token into the same slot. Positions are per row (RoPE is applied before
+    caching), so where a row's slots sit does not change what it computes."""
+    la, lb = a.mask.shape[1], b.mask.shape[1]
+    length = max(la, lb)
+    rows = [*a.rows, *b.rows]
+    cache = StaticCache(config=config, max_cache_len=length + _room(rows))
+    for layer, ((ka, va), (kb, vb)) in enumerate(zip(cache_kv(a.cache), cache_kv(b.cache), strict=True)):
+        k = ka.new_zeros((len(rows), ka.shape[1], length, ka.shape[3]))
+        v = va.new_zeros((len(rows), va.shape[1], length, va.shape[3]))
+        k[: len(a.rows), :, length - la :], v[: len(a.rows), :, length - la :] = ka[:, :, :la], va[:, :, :la]
+        k[len(a.rows) :, :, length - lb :], v[len(a.rows) :, :, length - lb :] = kb[:, :, :lb], vb[:, :, :lb]
+        cache.update(k, v, layer)
+    mask = a.mask.new_zeros((len(rows), length))
+    mask[: len(a.rows), length - la :], mask[len(a.rows) :, length - lb :] = a.mask, b.mask
+    return _Batch(
+        rows,
+        cache,
+        mask,
+        torch.cat([a.pos, b.pos]),
+        torch.cat([a.logits, b.logits]),
+        torch.cat([a.temps, b.temps]),
+        torch.cat([a.top_ps, b.top_ps]),
+    )
+
+
 class TorchEngine(Engine):
     def __init__(
-        self, policy: LoraPolicy, stop_ids: set[int], max_batch_rows: int = 64, batch_wait_s: float = 0.02
+        self,
+        policy: LoraPolicy,
+        stop_ids: set[int],
+        max_batch_rows: int = 64,
+        batch_wait_s: float = 0.02,
+        continuous: bool = True,
     ) -> None:
         self.policy = policy
+        # False: a batch admits no row once it samples (static batching; kept to measure against)
+        self.continuous = continuous
         self.tokenizer = policy.tokenizer
         self.stop_ids = stop_ids
         self.max_batch_rows = max_batch_rows
@@ -72,6 +128,7 @@ class TorchEngine(Engine):
         self.batches = 0
         self.prefix_computes = 0  # times a shared prompt prefix was prefilled (not found cached)
         self.prefix_tokens_saved = 0  # prompt tokens whose prefill a shared prefix spared
+        self.rows_joined = 0  # rows admitted into a batch that was already sampling
         self._served = 0
         self._closed = False
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -128,39 +185,70 @@ class TorchEngine(Engine):
             raise
 
     def _serve(self, carry: list[_Job]) -> None:
+        batch: _Batch | None = None
+        with contextlib.ExitStack() as held:
+            while True:
+                if batch is None:
+                    held.close()  # idle: the weights are free for a training step
+                    jobs = self._take(carry, self.max_batch_rows, wait=True)
+                    if jobs is None:
+                        self._fail_queued(carry)
+                        return
+                    held.enter_context(self.policy.sampling())
+                    batch = self._guarded(jobs, self._prefill, jobs)
+                elif self.continuous and not self.policy.editors_waiting:
+                    # Continuous batching: requests that arrived during the last decode step join
+                    # the running batch now. None are admitted while a training step waits for the
+                    # weights, so the batch drains and the step gets them.
+                    jobs = self._take(carry, self.max_batch_rows - len(batch.rows), wait=False)
+                    if jobs:
+                        batch = self._guarded(jobs, self._admit, batch, jobs) or batch
+                if batch is not None:
+                    batch = self._guarded(self._running, self._decode, batch)
+
+    def _take(self, carry: list[_Job], room: int, wait: bool) -> list[_Job] | None:
+        """Jobs for up to `room` rows: with `wait`, block for the first, then gather what arrives
+        within `batch_wait_s`; without, only what is queued now. None: the engine is closing."""
+        jobs: list[_Job] = []
+        rows = 0
+        deadline = time.monotonic() + self.batch_wait_s
         while True:
-            job = carry.pop(0) if carry else self._queue.get()
+            if carry:
+                job: _Job | None = carry.pop(0)
+            else:
+                try:
+                    if wait and not jobs:
+                        job = self._queue.get()
+                    elif wait:
+                        job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    else:
+                        job = self._queue.get_nowait()
+                except queue.Empty:
+                    return jobs
             if job is None:
-                self._fail_queued(carry)
-                return
+                if jobs or not wait:  # finish what runs; the next blocking take stops
+                    self._queue.put(None)
+                    return jobs
+                return None
             if job.future.cancelled():  # its caller gave up (a timeout): no batch time spent on it
                 continue
-            jobs, rows = [job], job.params.n
-            deadline = time.monotonic() + self.batch_wait_s
-            while rows < self.max_batch_rows:
-                try:
-                    nxt = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)
-                    break
-                if rows + nxt.params.n > self.max_batch_rows:
-                    carry.append(nxt)
-                    break
-                jobs.append(nxt)
-                rows += nxt.params.n
-            self._running = jobs
-            try:
-                results = self._run(jobs)
-            except Exception as e:
-                for j in jobs:
-                    _answer(j, _set_exception, e)
-                continue
-            for j, samples in zip(jobs, results, strict=True):
-                self._served += 1
-                _answer(j, _set_result, samples)
-            self._running = []
+            # The first job of a new batch always fits; a running batch takes only what fits.
+            if (jobs or not wait) and rows + job.params.n > room:
+                carry.insert(0, job)
+                return jobs
+            jobs.append(job)
+            rows += job.params.n
+
+    def _guarded(self, jobs: list[_Job], run: Callable[..., _Batch | None], *args: Any) -> _Batch | None:
+        """Run one prefill or decode step; if it raises, the jobs it touched fail with the error
+        (and leave the batch) while the engine goes on."""
+        try:
+            return run(*args)
+        except Exception as e:
+            for j in list(jobs):
+                _answer(j, _set_exception, e)
+            self._running = [j for j in self._running if j not in jobs]
+            return None
 
     def _fail_queued(self, carry: list[_Job], down: BaseException | None = None) -> None:
         down = down or EngineDownError("the in-process engine stopped before serving this request")
@@ -175,8 +263,12 @@ class TorchEngine(Engine):
             _answer(j, _set_exception, down)
 
     @torch.inference_mode()
-    def _run(self, jobs: list[_Job]) -> list[list[Sample]]:
+    def _prefill(self, jobs: list[_Job]) -> _Batch:
+        """A batch of `jobs`' rows, their prompts run, ready to sample each row's first token."""
         self.batches += 1
+        for j in jobs:
+            j.samples, j.left = [None] * j.params.n, j.params.n
+        self._running = [*self._running, *jobs]
         rows = [
             _Row(
                 job,
@@ -189,97 +281,115 @@ class TorchEngine(Engine):
         ]
         model, device = self.policy.model, self.policy.device
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        with self.policy.sampling():
-            model.eval()
-            # Identical prompts (n > 1, or a GRPO group's first turn) are prefilled once, and the
-            # prefix every prompt shares (system prompt, tool definitions) once across batches.
-            slot: dict[tuple[int, ...], int] = {}
-            for j in jobs:
-                slot.setdefault(tuple(j.prompt_ids), len(slot))
-            prompts = list(slot)
-            shared, kv = self._shared_prefix(prompts)
-            suffixes = [p[shared:] for p in prompts]
-            self.prefix_tokens_saved += shared * (len(prompts) - 1)
-            width = max(len(p) for p in suffixes)
-            max_new = max(r.job.params.max_tokens for r in rows)
-            ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(prompts), shared + width), dtype=torch.long)
-            mask[:, :shared] = 1
-            for i, p in enumerate(suffixes):  # [shared prefix][padding][own suffix]
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, shared + width - len(p) :] = 1
-            ids, mask = ids.to(device), mask.to(device)
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            # A static cache: a growing one re-copies every row's whole history at each token,
-            # which cost more than the forward pass at 600-token tool prompts.
-            cache = StaticCache(config=model.config, max_cache_len=shared + width + max_new)
-            for layer, (k, v) in enumerate(kv):
-                cache.update(k.expand(len(prompts), -1, -1, -1), v.expand(len(prompts), -1, -1, -1), layer)
-            out = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos[:, shared:],
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            fan = torch.tensor([slot[tuple(r.job.prompt_ids)] for r in rows], device=device)
-            cache.reorder_cache(cast(torch.LongTensor, fan))  # stub wants the legacy LongTensor class
-            logits = out.logits[:, -1, :].float()[fan]
-            mask, pos = mask[fan], pos[fan][:, -1:]
-            live = list(range(len(rows)))  # row index of each batch position
-            temps = torch.tensor([r.job.params.temperature for r in rows], device=device)
-            top_ps = torch.tensor([r.job.params.top_p for r in rows], device=device)
-            for _ in range(max_new):
-                logp = torch.log_softmax(logits, dim=-1)  # (B, V) raw policy, temperature 1
-                nxt = self._sample(logits, [rows[i] for i in live], temps[live], top_ps[live])
-                chosen = logp.gather(1, nxt[:, None]).squeeze(1).tolist()
-                k_top = max(rows[i].job.params.top_logprobs for i in live)
-                top = logp.topk(k_top, dim=-1) if k_top else None
-                keep = []
-                for b, i in enumerate(live):
-                    row, tok = rows[i], int(nxt[b])
-                    row.tokens.append(tok)
-                    row.logprobs.append(chosen[b])
-                    if top is not None and row.job.params.top_logprobs:
-                        k = row.job.params.top_logprobs
-                        row.top.append(
-                            list(zip(top.indices[b, :k].tolist(), top.values[b, :k].tolist(), strict=True))
-                        )
-                    if row.grammar is not None:
-                        row.grammar.accept_token(tok)
-                    self._check_finished(row)
-                    if row.finish is None:
-                        keep.append(b)
-                if not keep:
-                    break
-                if len(keep) < len(live):
-                    sel = torch.tensor(keep, device=device)
-                    cache.reorder_cache(cast(torch.LongTensor, sel))
-                    mask, pos, nxt = mask[sel], pos[sel], nxt[sel]
-                    live = [live[b] for b in keep]
-                mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
-                pos = pos + 1
-                out = model(
-                    input_ids=nxt[:, None],
-                    attention_mask=mask,
-                    position_ids=pos,
-                    past_key_values=cache,
-                    use_cache=True,
+        model.eval()
+        # Identical prompts (n > 1, or a GRPO group's first turn) are prefilled once, and the
+        # prefix every prompt shares (system prompt, tool definitions) once across batches.
+        slot: dict[tuple[int, ...], int] = {}
+        for j in jobs:
+            slot.setdefault(tuple(j.prompt_ids), len(slot))
+        prompts = list(slot)
+        shared, kv = self._shared_prefix(prompts)
+        suffixes = [p[shared:] for p in prompts]
+        self.prefix_tokens_saved += shared * (len(prompts) - 1)
+        width = max(len(p) for p in suffixes)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), shared + width), dtype=torch.long)
+        mask[:, :shared] = 1
+        for i, p in enumerate(suffixes):  # [shared prefix][padding][own suffix]
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, shared + width - len(p) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        # A static cache: a growing one re-copies every row's whole history at each token,
+        # which cost more than the forward pass at 600-token tool prompts.
+        cache = StaticCache(config=model.config, max_cache_len=shared + width + _room(rows))
+        for layer, (k, v) in enumerate(kv):
+            cache.update(k.expand(len(prompts), -1, -1, -1), v.expand(len(prompts), -1, -1, -1), layer)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos[:, shared:],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        fan = torch.tensor([slot[tuple(r.job.prompt_ids)] for r in rows], device=device)
+        cache.reorder_cache(cast(torch.LongTensor, fan))  # stub wants the legacy LongTensor class
+        return _Batch(
+            rows,
+            cache,
+            mask[fan],
+            pos[fan][:, -1:],
+            out.logits[:, -1, :].float()[fan],
+            torch.tensor([r.job.params.temperature for r in rows], device=device),
+            torch.tensor([r.job.params.top_p for r in rows], device=device),
+        )
+
+    @torch.inference_mode()
+    def _admit(self, batch: _Batch, jobs: list[_Job]) -> _Batch:
+        self.rows_joined += sum(j.params.n for j in jobs)
+        return _join(batch, self._prefill(jobs), self.policy.model.config)
+
+    @torch.inference_mode()
+    def _decode(self, batch: _Batch) -> _Batch | None:
+        """Sample one token for every row; answer the jobs whose rows all finished; run the next
+        token of the rest. None when no row is left."""
+        rows = batch.rows
+        logp = torch.log_softmax(batch.logits, dim=-1)  # (B, V) raw policy, temperature 1
+        nxt = self._sample(batch.logits, rows, batch.temps, batch.top_ps)
+        chosen = logp.gather(1, nxt[:, None]).squeeze(1).tolist()
+        k_top = max(r.job.params.top_logprobs for r in rows)
+        top = logp.topk(k_top, dim=-1) if k_top else None
+        keep = []
+        for b, row in enumerate(rows):
+            tok = int(nxt[b])
+            row.tokens.append(tok)
+            row.logprobs.append(chosen[b])
+            if top is not None and row.job.params.top_logprobs:
+                k = row.job.params.top_logprobs
+                row.top.append(
+                    list(zip(top.indices[b, :k].tolist(), top.values[b, :k].tolist(), strict=True))
                 )
-                logits = out.logits[:, -1, :].float()
-        results: list[list[Sample]] = [[] for _ in jobs]
-        index = {id(j): i for i, j in enumerate(jobs)}
-        for row in rows:
+            if row.grammar is not None:
+                row.grammar.accept_token(tok)
+            self._check_finished(row)
             if row.finish is None:
-                row.finish = "length"
-            text = (
-                row.text
-                if row.text is not None
-                else self.tokenizer.decode(row.tokens, skip_special_tokens=True)
-            )
-            results[index[id(row.job)]].append(Sample(row.tokens, row.logprobs, row.finish, text, row.top))
-        return results
+                keep.append(b)
+            else:
+                self._retire(row)
+        if not keep:
+            return None
+        if len(keep) < len(rows):
+            sel = torch.tensor(keep, device=nxt.device)
+            batch.cache.reorder_cache(cast(torch.LongTensor, sel))
+            batch.rows = [rows[b] for b in keep]
+            batch.mask, batch.pos, nxt = batch.mask[sel], batch.pos[sel], nxt[sel]
+            batch.temps, batch.top_ps = batch.temps[sel], batch.top_ps[sel]
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
+        batch.pos = batch.pos + 1
+        out = self.policy.model(
+            input_ids=nxt[:, None],
+            attention_mask=batch.mask,
+            position_ids=batch.pos,
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.logits = out.logits[:, -1, :].float()
+        return batch
+
+    def _retire(self, row: _Row) -> None:
+        """A finished row's sample goes to its job; the job is answered when its last row is done,
+        not when the batch is."""
+        job = row.job
+        text = (
+            row.text if row.text is not None else self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+        )
+        job.samples[row.index] = Sample(row.tokens, row.logprobs, row.finish or "length", text, row.top)
+        job.left -= 1
+        if job.left == 0:
+            self._served += 1
+            self._running = [j for j in self._running if j is not job]
+            _answer(job, _set_result, [s for s in job.samples if s is not None])
 
     def _shared_prefix(
         self, prompts: list[tuple[int, ...]]
