@@ -151,6 +151,18 @@ def check_langfuse(runs: Path, out: str, langfuse: Any) -> None:
     assert [row["step"] for row in history if row["split"] == "train"] == [0], history
 
 
+def check_sft_warmup(runs: Path, out: str, langfuse: Any) -> None:
+    """The collected successes (token-recorded), one SFT step, then RL from its adapter."""
+    run_dir = runs / "sft-warmup" / "models" / "todo-sft"
+    assert "sft warm-up on" in out, out[-2000:]
+    kept = [json.loads(line) for line in (run_dir / "sft_successes.jsonl").read_text().splitlines()]
+    assert kept and all(t["metrics"]["success"] for t in kept), kept
+    assert all("journeyman" in c for t in kept for c in t["messages_and_choices"] if "message" in c)
+    steps = [(row["split"], row["step"]) for row in _history(run_dir) if row["split"] != "val"]
+    assert steps[0] == ("sft", 0) and set(steps[1:]) == {("train", 1)}, steps  # RL after SFT
+    assert len((run_dir / "trajectories" / "sft" / "0000.jsonl").read_text().splitlines()) == len(kept)
+
+
 @dataclass(frozen=True)
 class Example:
     script: str
@@ -167,6 +179,22 @@ EXAMPLE_RUNS = [
         check_langgraph,
     ),
     Example("agents_sdk_train.py", SMALLEST, check_agents_sdk),
+    Example(
+        "sft_warmup_todo.py",
+        (
+            "--successes",
+            "1",
+            "--rl-steps",
+            "1",
+            "--groups",
+            "1",
+            "--group-size",
+            "2",
+            "--eval-scenarios",
+            "2",
+        ),
+        check_sft_warmup,
+    ),
     Example("ruler_train.py", (*SMALLEST, "--max-tokens", "8", "--explanation-chars", "20"), check_ruler),
     Example(
         "langfuse_review.py",

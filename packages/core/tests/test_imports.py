@@ -41,8 +41,10 @@ def test_public_names() -> None:
         "RolloutException",
         "RulerConfig",
         "RulerJudgeError",
+        "SFTConfig",
         "TokenRecord",
         "TooManyExceptionsError",
+        "Tracker",
         "TrainConfig",
         "TrainResult",
         "TrainableModel",
@@ -56,8 +58,10 @@ def test_public_names() -> None:
         "current_backend",
         "gather_trajectory_groups",
         "open_backend",
+        "read_trajectories",
         "record_of",
         "ruler_score_group",
+        "write_trajectories",
     ]
     for name in journeyman.__all__:
         assert getattr(journeyman, name) is not None

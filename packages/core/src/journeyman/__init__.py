@@ -6,7 +6,15 @@ libraries load when a backend first serves a model.
 
 from .backend import Backend, Inference, current_backend
 from .capture import CAPTURE_HEADER, CapturedCall, capture_scope
-from .config import DEFAULT_BASE_MODEL, LoraConfig, ModelConfig, TrainConfig, TrainerConfig, TrainResult
+from .config import (
+    DEFAULT_BASE_MODEL,
+    LoraConfig,
+    ModelConfig,
+    SFTConfig,
+    TrainConfig,
+    TrainerConfig,
+    TrainResult,
+)
 from .connect import open_backend
 from .engine.vllm_server import VLLMConfig
 from .errors import (
@@ -34,6 +42,8 @@ from .local_backend import LocalBackend
 from .model import Capture, TrainableModel
 from .remote_backend import RemoteBackend
 from .ruler import RulerConfig, RulerJudgeError, ruler_score_group
+from .tracking import Tracker
+from .trajectory_file import read_trajectories, write_trajectories
 from .types import History, RolloutException, TokenRecord, Trajectory, TrajectoryGroup, record_of
 
 __all__ = [
@@ -66,8 +76,10 @@ __all__ = [
     "RolloutException",
     "RulerConfig",
     "RulerJudgeError",
+    "SFTConfig",
     "TokenRecord",
     "TooManyExceptionsError",
+    "Tracker",
     "TrainConfig",
     "TrainResult",
     "TrainableModel",
@@ -81,6 +93,8 @@ __all__ = [
     "current_backend",
     "gather_trajectory_groups",
     "open_backend",
+    "read_trajectories",
     "record_of",
     "ruler_score_group",
+    "write_trajectories",
 ]

@@ -15,7 +15,7 @@ other threads keeps its own state safe. Models are addressed by name (the `Model
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -23,9 +23,9 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import BaseModel, Field
 
 from .capture import CapturedCall
-from .config import ModelConfig, TrainConfig, TrainResult
+from .config import ModelConfig, SFTConfig, TrainConfig, TrainResult
 from .errors import InvalidFieldError
-from .types import TrajectoryGroup
+from .types import Trajectory, TrajectoryGroup
 
 
 class Inference(BaseModel):
@@ -63,6 +63,18 @@ class Backend(Protocol):
         """One training step on `groups`; the endpoint serves the new step when this returns.
 
         A call repeating the `idempotency_key` of a completed step returns that step's result."""
+        ...
+
+    async def train_sft(
+        self,
+        model: ModelConfig,
+        trajectories: Iterable[Trajectory | TrajectoryGroup],
+        config: SFTConfig | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> TrainResult:
+        """Supervised fine-tuning on `trajectories`: one step of the same run, checkpoint and
+        history as `train`, so RL continues from it. Idempotency keys work as for `train`."""
         ...
 
     async def log(

@@ -154,6 +154,79 @@ def report(
 
 
 @app.command()
+def sft(
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help=".jsonl with one Trajectory or TrajectoryGroup JSON per line (e.g. `langfuse pull`)"
+        ),
+    ],
+    name: Annotated[str, typer.Option(help="model name (the same name continues its run)")] = "sft",
+    project: Annotated[str, typer.Option(help="project of the model")] = "cli",
+    base_model: Annotated[
+        str, typer.Option(help="embedded model name, local HF directory, or hub id")
+    ] = "smollm2-135m-instruct",
+    min_reward: Annotated[
+        float | None, typer.Option(help="train only on trajectories with at least this reward")
+    ] = None,
+    epochs: Annotated[int, typer.Option(help="passes over the trajectories")] = 1,
+    learning_rate: Annotated[float, typer.Option(help="peak AdamW learning rate of the LoRA adapter")] = 1e-4,
+    batch_size: Annotated[int, typer.Option(help="trajectories per optimizer step")] = 8,
+    lr_schedule: Annotated[str, typer.Option(help="cosine, linear or constant (after warmup)")] = "cosine",
+    warmup_ratio: Annotated[float, typer.Option(help="fraction of the steps spent warming up")] = 0.1,
+    path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
+    backend: Annotated[
+        str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
+    ] = None,
+    token: Annotated[str | None, typer.Option(help="the server's token (default: $JOURNEYMAN_TOKEN)")] = None,
+    report_to: Annotated[
+        list[str] | None, typer.Option("--report-to", help="mirror the history to: wandb (repeatable)")
+    ] = None,
+) -> None:
+    """Supervised fine-tuning of a model's LoRA adapter on trajectories from FILE: one step of its run,
+    so `model.train` (RL) continues from it."""
+    from .config import ModelConfig, SFTConfig
+    from .errors import JourneymanError
+    from .trajectory_file import read_trajectories
+
+    try:  # a bad file or setting is one clear line, before any model loads
+        trajectories = read_trajectories(file, min_reward=min_reward)
+        config = SFTConfig.model_validate(
+            {"epochs": epochs, "learning_rate": learning_rate, "batch_size": batch_size,
+             "lr_schedule": lr_schedule, "warmup_ratio": warmup_ratio}
+        )  # fmt: skip
+        ModelConfig(name=name, project=project, base_model=base_model)
+    except (JourneymanError, ValueError) as e:
+        typer.secho(f"journeyman sft: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"read {len(trajectories)} trajectories from {file}", err=True)
+
+    async def run() -> None:
+        import journeyman as jm
+
+        if backend:
+            b: jm.Backend = jm.RemoteBackend(backend, token=token)
+        else:
+            b = jm.LocalBackend(path=path, report_to=report_to or [])
+        model = jm.TrainableModel(name=name, project=project, base_model=base_model)
+        typer.echo("loading the model...", err=True)
+        await model.register(b)
+        try:
+            result = await model.train_sft(trajectories, config=config)
+            m = result.metrics
+            typer.echo(
+                f"{project}/{name} now at step {result.step}: loss {m['loss_first_epoch']:.4f} (first epoch) -> "
+                f"{m['loss']:.4f} (last), {m['trained_tokens']:.0f} trained tokens per epoch, "
+                f"{m['train_seconds']:.1f} s"
+            )
+            typer.echo(f"run directory: {model.run_dir}")
+        finally:
+            b.close()
+
+    asyncio.run(run())
+
+
+@app.command()
 def serve(
     host: Annotated[
         str, typer.Option(help="address to bind; anything but 127.0.0.1 is reachable from other machines")
@@ -164,6 +237,10 @@ def serve(
     ] = Path(".journeyman"),
     engine: Annotated[str, typer.Option(help="torch (in process) or vllm")] = "torch",
     max_body_mb: Annotated[float, typer.Option(help="largest request body accepted (413 above it)")] = 64.0,
+    report_to: Annotated[
+        list[str] | None,
+        typer.Option("--report-to", help="mirror each model's history to: wandb (repeatable)"),
+    ] = None,
 ) -> None:
     """Serve the Backend protocol and every model's OpenAI endpoint over HTTP, for `jm.RemoteBackend`.
 
@@ -188,7 +265,7 @@ def serve(
         typer.echo("ready", err=True)
 
     run(
-        LocalBackend(path=path, engine=engine),
+        LocalBackend(path=path, engine=engine, report_to=report_to or []),
         token,
         host=host,
         port=port,

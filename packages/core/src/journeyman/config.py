@@ -126,6 +126,75 @@ class TrainConfig(BaseModel):
         return self
 
 
+LrSchedule = Literal["cosine", "linear", "constant"]
+
+
+class SFTConfig(OwnErrorsModel):
+    """Settings of one supervised fine-tuning call (`model.train_sft`): several optimizer steps, one
+    checkpoint. The loss is the mean cross-entropy of the trained (sampled assistant) tokens."""
+
+    learning_rate: float = Field(
+        default=1e-4, description="peak AdamW learning rate (LoRA SFT usually takes 1e-4 to 2e-4)"
+    )
+    epochs: int = Field(default=1, description="passes over the trajectories")
+    batch_size: int = Field(default=8, description="trajectories per optimizer step (all their rows)")
+    lr_schedule: LrSchedule = Field(
+        default="cosine",
+        description="after warmup: cosine or linear decay to min_lr_ratio x peak over the call's steps, or constant",
+    )
+    warmup_ratio: float = Field(
+        default=0.1,
+        description="fraction of the call's optimizer steps spent ramping linearly from 0 to peak",
+    )
+    min_lr_ratio: float = Field(default=0.0, description="the learning rate the decay ends at, x peak")
+    max_grad_norm: float = Field(default=1.0, description="clip the global gradient norm to this")
+    weight_decay: float = Field(default=0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas")
+    micro_batch_tokens: int = Field(
+        default=1024,
+        description="tokens per forward/backward (a packed sequence, or a padded batch beyond its shared "
+        "prefix); gradients accumulate across micro-batches",
+    )
+    max_seq_len: int = Field(default=4096, description="rows longer than this are cut (counted in metrics)")
+    packing: bool = Field(
+        default=True,
+        description="concatenate rows into one sequence per micro-batch, each attending only to itself; "
+        "rows that share a long prompt prefix are batched with the prefix run once instead",
+    )
+    seed: int = Field(default=0, description="seed of each epoch's shuffle of the trajectories")
+    autocast_bf16: bool = Field(
+        default=False, description="bf16 autocast for the forward pass (faster on CPUs with bf16 matmul)"
+    )
+
+    @field_validator("epochs", "batch_size")
+    @classmethod
+    def _at_least_one(cls, v: int, info: Any) -> int:
+        if v < 1:
+            raise InvalidFieldError(info.field_name, v, "must be at least 1")
+        return v
+
+    @field_validator("learning_rate", "max_grad_norm")
+    @classmethod
+    def _positive(cls, v: float, info: Any) -> float:
+        if not v > 0:
+            raise InvalidFieldError(info.field_name, v, "must be > 0")
+        return v
+
+    @field_validator("warmup_ratio", "min_lr_ratio", "weight_decay")
+    @classmethod
+    def _fraction(cls, v: float, info: Any) -> float:
+        if not 0 <= v <= 1:
+            raise InvalidFieldError(info.field_name, v, "must be between 0 and 1")
+        return v
+
+    @field_validator("micro_batch_tokens", "max_seq_len")
+    @classmethod
+    def _tokens(cls, v: int, info: Any) -> int:
+        if v < 16:
+            raise InvalidFieldError(info.field_name, v, "must be at least 16 tokens")
+        return v
+
+
 class TrainerConfig(BaseModel):
     """How many processes train, and how they talk (the trainer's side of scale-out)."""
 
@@ -161,7 +230,9 @@ __all__ = [
     "DEFAULT_BASE_MODEL",
     "LoraConfig",
     "LossKind",
+    "LrSchedule",
     "ModelConfig",
+    "SFTConfig",
     "TrainConfig",
     "TrainResult",
     "TrainerConfig",

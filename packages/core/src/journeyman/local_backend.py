@@ -5,18 +5,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .backend import Inference
 from .capture import CapturedCall
-from .config import ModelConfig, TrainConfig, TrainerConfig, TrainResult, check_name
+from .config import ModelConfig, SFTConfig, TrainConfig, TrainerConfig, TrainResult, check_name
 from .errors import CheckpointError, InvalidFieldError
 from .observe import GroupContext, emit
 from .store import RunStore
-from .types import TrajectoryGroup
+from .tracking import Trackers, check_report_to, open_trackers
+from .trajectory_file import check_trajectories
+from .types import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from .adapter import LoraPolicy
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from .endpoint import Endpoint, ServerThread
     from .engine import Engine
     from .engine.vllm_server import VLLMConfig
+    from .sft import SFTTrainer
     from .train import GRPOTrainer
 
 log = logging.getLogger("journeyman")
@@ -74,9 +77,18 @@ class _Service:
     store: RunStore
     trainer: GRPOTrainer
     ranks: RankGroup | None  # the other data-parallel trainer ranks, when there are any
+    trackers: Trackers  # where history rows are mirrored (W&B, ...); none by default
     # one step (or step switch) at a time per model: two concurrent train calls would both read
     # step N and both write checkpoint N+1
     step_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    sft: SFTTrainer | None = None  # made on the first `train_sft`
+
+    def sft_trainer(self) -> SFTTrainer:
+        from .sft import SFTTrainer
+
+        if self.sft is None:
+            self.sft = SFTTrainer(self.policy, self.chat_format)
+        return self.sft
 
     def save(self, directory: Path) -> None:
         """The adapter and the optimizer state: what a checkpoint holds."""
@@ -104,6 +116,8 @@ class LocalBackend:
     `engine="vllm"` (or a `VLLMConfig`) samples through a vLLM server process that hot-loads each step's adapter.
     `trainer=TrainerConfig(world_size=N)` trains data-parallel on N ranks (`distributed.py`);
     `engine_replicas=N` serves through N in-process torch engines (`engine/replicas.py`).
+    `report_to=["wandb"]` mirrors every history row, each step's config and sample trajectories to
+    Weights & Biases (`tracking.py`); off by default.
     """
 
     def __init__(
@@ -115,6 +129,7 @@ class LocalBackend:
         dtype: str = "float32",
         trainer: TrainerConfig | None = None,
         engine_replicas: int = 1,
+        report_to: Sequence[str] = (),
     ) -> None:
         if isinstance(engine, str):
             if engine not in ("torch", "vllm"):
@@ -128,6 +143,7 @@ class LocalBackend:
         if engine_replicas < 1:
             raise InvalidFieldError("engine_replicas", engine_replicas, "must be >= 1")
         self.engine_replicas = engine_replicas
+        self.report_to = check_report_to(report_to)
         self.trainer_config = trainer or TrainerConfig()
         if self.trainer_config.rank != 0:
             raise InvalidFieldError(
@@ -182,7 +198,10 @@ class LocalBackend:
 
             ranks = RankGroup(self.trainer_config, weights, model.lora, policy, trainer, self.dtype)
         server = ServerThread(build_app(endpoint))
-        return _Service(model, policy, chat_format, engine, endpoint, server, store, trainer, ranks)
+        trackers = open_trackers(self.report_to, model, store.root)
+        return _Service(
+            model, policy, chat_format, engine, endpoint, server, store, trainer, ranks, trackers=trackers
+        )
 
     def _make_engine(self, weights: Path, policy: LoraPolicy, chat_format: ChatFormat) -> Engine:
         """The engine named by `engine=`; each kind's module is imported only when chosen."""
@@ -298,19 +317,11 @@ class LocalBackend:
         idempotency_key: str | None,
         on_progress: Callable[[int, int], None] | None,
     ) -> TrainResult:
-        if idempotency_key is not None and (done := s.store.request_result(idempotency_key)) is not None:
-            return TrainResult.model_validate(done)
-        step = s.store.latest_step()
-        if s.engine.step != step:
-            raise InvalidFieldError(
-                "step", s.engine.step, f"an older checkpoint is served: serve_step({step}) before training"
-            )
-        if idempotency_key is None or s.store.mark_written(idempotency_key):
-            s.store.write_groups(groups, "train", step)
-        emit(
-            groups,
-            GroupContext(project=model.project, model=model.name, step=step, split="train", source="train"),
-        )
+        begun = self._begin(s, model, groups, "train", idempotency_key)
+        if isinstance(begun, TrainResult):
+            return begun
+        step = begun
+        s.trackers.config({"train": config.model_dump(mode="json")})
         await s.engine.sleep()
         try:
             run = s.ranks.step if s.ranks is not None else s.trainer.step
@@ -326,10 +337,94 @@ class LocalBackend:
             )
             result = TrainResult(step=step, metrics=metrics, skipped=True)
             self._commit(s, model, step, idempotency_key, result)
-            s.store.append_history(
-                {"step": step, "split": "train", "skipped": True, **_prefixed("train", metrics)}
+            self._record(
+                s, {"step": step, "split": "train", "skipped": True, **_prefixed("train", metrics)}, groups
             )
             return result
+        return await self._checkpoint(s, model, step, "train", metrics, groups, idempotency_key)
+
+    async def train_sft(
+        self,
+        model: ModelConfig,
+        trajectories: Iterable[Trajectory | TrajectoryGroup],
+        config: SFTConfig | None = None,
+        *,
+        idempotency_key: str | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> TrainResult:
+        """Supervised fine-tuning on `trajectories` (`sft.py`): one step of the run, like `train`.
+
+        Written to `trajectories/sft/<step>.jsonl` (one group per line) before the update; the
+        adapter goes to `checkpoints/<step+1>/` (with the GRPO optimizer's state untouched), the
+        history gets one `sft/...` row, and the endpoint serves the new step when this returns.
+        Idempotency keys work as for `train`. `on_progress(done, total)` reports optimizer steps.
+        """
+        config = config or SFTConfig()
+        s = self.service(model)
+        items, flat = check_trajectories(trajectories)
+        if idempotency_key is not None:
+            check_name("idempotency_key", idempotency_key)
+        from .sft import sft_rows
+
+        # tokenised before anything is written: a trajectory with nothing to train is refused by name
+        rows, data_metrics = await asyncio.to_thread(sft_rows, flat, s.chat_format, config.max_seq_len)
+        groups = [g if isinstance(g, TrajectoryGroup) else TrajectoryGroup([g]) for g in items]
+        async with s.step_lock:
+            begun = self._begin(s, model, groups, "sft", idempotency_key)
+            if isinstance(begun, TrainResult):
+                return begun
+            step = begun
+            s.trackers.config({"sft": config.model_dump(mode="json")})
+            await s.engine.sleep()
+            try:
+                metrics = await asyncio.to_thread(s.sft_trainer().train, rows, config, on_progress)
+            except BaseException:
+                # earlier optimizer steps of the call changed the adapter: back to the last checkpoint
+                await asyncio.to_thread(s.restore, step)
+                raise
+            finally:
+                await s.engine.wake()
+            if s.ranks is not None:  # SFT runs on rank 0; the other ranks take its weights
+                await asyncio.to_thread(s.ranks.sync)
+            metrics = {**data_metrics, **metrics}
+            return await self._checkpoint(s, model, step, "sft", metrics, groups, idempotency_key)
+
+    def _begin(
+        self,
+        s: _Service,
+        model: ModelConfig,
+        groups: list[TrajectoryGroup],
+        split: str,
+        key: str | None,
+    ) -> int | TrainResult:
+        """The step a new update starts from, its groups written and announced; or the result of
+        the completed call with idempotency key `key`."""
+        if key is not None and (done := s.store.request_result(key)) is not None:
+            return TrainResult.model_validate(done)
+        step = s.store.latest_step()
+        if s.engine.step != step:
+            raise InvalidFieldError(
+                "step", s.engine.step, f"an older checkpoint is served: serve_step({step}) before training"
+            )
+        if key is None or s.store.mark_written(key):
+            s.store.write_groups(groups, split, step)
+        emit(
+            groups,
+            GroupContext(project=model.project, model=model.name, step=step, split=split, source="train"),
+        )
+        return step
+
+    async def _checkpoint(
+        self,
+        s: _Service,
+        model: ModelConfig,
+        step: int,
+        split: str,
+        metrics: dict[str, float],
+        groups: list[TrajectoryGroup],
+        key: str | None,
+    ) -> TrainResult:
+        """Commit the updated adapter as step + 1, serve it, and record the step's history row."""
         new_step = step + 1
         try:
             ckpt = await asyncio.to_thread(s.store.write_checkpoint, new_step, s.save)
@@ -342,14 +437,21 @@ class LocalBackend:
         await s.engine.load_adapter(ckpt, new_step)
         metrics["adapter_load_seconds"] = time.perf_counter() - t0
         result = TrainResult(step=new_step, metrics=metrics)
-        self._commit(s, model, new_step, idempotency_key, result)
-        s.store.append_history({"step": step, "split": "train", **_prefixed("train", metrics)})
+        self._commit(s, model, new_step, key, result)
+        self._record(s, {"step": step, "split": split, **_prefixed(split, metrics)}, groups)
         return result
 
     @staticmethod
     def _commit(s: _Service, model: ModelConfig, step: int, key: str | None, result: TrainResult) -> None:
         request = (key, result.model_dump()) if key is not None else None
         s.store.write_state(step, request=request, base_model=model.base_model)
+
+    @staticmethod
+    def _record(s: _Service, row: dict[str, Any], groups: Sequence[TrajectoryGroup] = ()) -> None:
+        """One history row, to history.jsonl and then to the trackers (the same row, to the key)."""
+        row = {"recorded_at": time.time(), **row}
+        s.store.append_history(row)
+        s.trackers.log(row, groups)
 
     async def log(
         self,
@@ -373,7 +475,7 @@ class LocalBackend:
             )
             out = group_metrics(groups)
         out.update(metrics or {})
-        s.store.append_history({"step": step, "split": split, **_prefixed(split, out)})
+        self._record(s, {"step": step, "split": split, **_prefixed(split, out)}, groups or ())
         return out
 
     async def history(self, model: ModelConfig) -> list[dict[str, Any]]:
@@ -393,6 +495,7 @@ class LocalBackend:
             s.engine.close()
             if s.ranks is not None:
                 s.ranks.close()
+            s.trackers.close()
         self._services.clear()
 
     async def __aenter__(self) -> LocalBackend:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,9 +12,9 @@ from pydantic import PrivateAttr
 
 from .backend import Backend, Inference, set_current_backend
 from .capture import CapturedCall, add_capture_header, capture_scope
-from .config import ModelConfig, TrainConfig, TrainResult
+from .config import ModelConfig, SFTConfig, TrainConfig, TrainResult
 from .errors import InvalidFieldError, JourneymanError
-from .types import TrajectoryGroup
+from .types import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -86,6 +86,18 @@ class TrainableModel(ModelConfig):
         `idempotency_key`: retrying a call with the same key never trains twice (a remote backend
         makes one up per call when none is given)."""
         return await self.backend.train(self, groups, config, idempotency_key=idempotency_key)
+
+    async def train_sft(
+        self,
+        trajectories: Iterable[Trajectory | TrajectoryGroup],
+        config: SFTConfig | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> TrainResult:
+        """Supervised fine-tuning on good `trajectories` (a warm start before RL): one step of this
+        run, on the same adapter, so `train` continues from it. Only assistant turns are trained,
+        on their sampled ids where they were recorded, else as the chat template renders them."""
+        return await self.backend.train_sft(self, trajectories, config, idempotency_key=idempotency_key)
 
     async def log(
         self,

@@ -18,7 +18,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from pydantic import BaseModel, TypeAdapter
 
 from .backend import Inference
 from .capture import CapturedCall
-from .config import ModelConfig, TrainConfig, TrainResult, check_name
+from .config import ModelConfig, SFTConfig, TrainConfig, TrainResult, check_name
 from .errors import (
     AuthenticationError,
     BackendUnavailableError,
@@ -45,12 +45,14 @@ from .remote_wire import (
     LogBody,
     RegisterBody,
     ServerInfo,
+    SFTBody,
     StepBody,
     TrainBody,
     TrainEvent,
     gzip_json,
 )
-from .types import TrajectoryGroup
+from .trajectory_file import check_trajectories
+from .types import Trajectory, TrajectoryGroup
 
 _CAPTURES = TypeAdapter(dict[str, list[CapturedCall]])
 
@@ -214,16 +216,41 @@ class RemoteBackend:
     ) -> TrainResult:
         """One step on the server; progress streams into a bar here. Reattaches after a dropped
         connection or a server restart with the same idempotency key, so the step happens once."""
+        key = check_name("idempotency_key", idempotency_key or uuid.uuid4().hex)
+        body = TrainBody(groups=list(groups), config=config, idempotency_key=key)
+        return await self._step(
+            f"{PREFIX}/models/{model.name}/train", body, f"train {model.name}", "micro-batch"
+        )
+
+    async def train_sft(
+        self,
+        model: ModelConfig,
+        trajectories: Iterable[Trajectory | TrajectoryGroup],
+        config: SFTConfig | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> TrainResult:
+        """Supervised fine-tuning on the server, streamed and retried like `train`."""
+        items, _ = check_trajectories(trajectories)
+        key = check_name("idempotency_key", idempotency_key or uuid.uuid4().hex)
+        body = SFTBody(
+            trajectories=[t for t in items if isinstance(t, Trajectory)],
+            groups=[g for g in items if isinstance(g, TrajectoryGroup)],
+            config=config,
+            idempotency_key=key,
+        )
+        return await self._step(f"{PREFIX}/models/{model.name}/train_sft", body, f"sft {model.name}", "step")
+
+    async def _step(self, path: str, body: BaseModel, desc: str, unit: str) -> TrainResult:
+        """POST a training call and follow its event stream to the result (see `remote_wire`)."""
         from tqdm.auto import tqdm
 
         if not self._checked:
             await self._check_server()
-        key = check_name("idempotency_key", idempotency_key or uuid.uuid4().hex)
-        content = gzip_json(TrainBody(groups=list(groups), config=config, idempotency_key=key))
+        content = gzip_json(body)
         self.sent_bytes += len(content)
         headers = {"content-type": "application/json", "content-encoding": "gzip"}
-        path = f"{PREFIX}/models/{model.name}/train"
-        bar = tqdm(desc=f"train {model.name}", unit="micro-batch", disable=not self.progress, leave=False)
+        bar = tqdm(desc=desc, unit=unit, disable=not self.progress, leave=False)
 
         async def attempt() -> TrainResult:
             # The server sends an event at least every 15 s while a step runs: a silent minute is a dead link.
@@ -246,9 +273,11 @@ class RemoteBackend:
                         return event.result
                     else:
                         err = event.error or {}
-                        if err.get("type") == "InvalidFieldError":
+                        if err.get("param") is not None:  # an InvalidFieldError (or a subclass) by name
                             raise InvalidFieldError(
-                                str(err.get("param") or "groups"), _Shown("..."), str(err.get("message"))
+                                str(err["param"]),
+                                _Shown(str(err.get("value", "..."))),
+                                str(err.get("reason") or err.get("message")),
                             )
                         raise RemoteError(str(err.get("type", "error")), str(err.get("message", "")))
             raise httpx.RemoteProtocolError("the train stream ended before its result")

@@ -14,10 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from .config import ModelConfig, TrainConfig, TrainResult, check_name
-from .types import TrajectoryGroup
+from .config import ModelConfig, SFTConfig, TrainConfig, TrainResult, check_name
+from .types import Trajectory, TrajectoryGroup
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any change to these bodies or routes; client and server refuse a mismatch by name."""
 
 PREFIX = "/journeyman/v1"
@@ -39,6 +39,18 @@ class TrainBody(BaseModel):
     idempotency_key: str = Field(
         description="the same key for every retry of one step (see config.check_name)"
     )
+
+    @field_validator("idempotency_key")
+    @classmethod
+    def _key(cls, v: str) -> str:
+        return check_name("idempotency_key", v)
+
+
+class SFTBody(BaseModel):
+    trajectories: list[Trajectory] = Field(default_factory=list, description="loose trajectories")
+    groups: list[TrajectoryGroup] = Field(default_factory=list, description="trajectories in groups")
+    config: SFTConfig | None = None
+    idempotency_key: str = Field(description="the same key for every retry of one step")
 
     @field_validator("idempotency_key")
     @classmethod

@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from .capture import CapturedCall
-from .config import ModelConfig
+from .config import ModelConfig, TrainResult
 from .errors import BackendUnavailableError, InvalidFieldError, JourneymanError, UnknownModelError
 from .local_backend import LocalBackend
 from .remote_wire import (
@@ -47,6 +47,7 @@ from .remote_wire import (
     LogBody,
     RegisterBody,
     ServerInfo,
+    SFTBody,
     StepBody,
     TrainBody,
     TrainEvent,
@@ -229,13 +230,14 @@ def create_app(backend: LocalBackend, token: str, *, max_body_bytes: int = DEFAU
     async def step(name: str) -> dict[str, int]:
         return {"step": await backend.get_step(model_of(name))}
 
-    @app.post(f"{PREFIX}/models/{{name}}/train")
-    async def train(name: str, request: Request) -> StreamingResponse:
-        model = model_of(name)
-        req = await body(request, TrainBody)
-        job = jobs.get(req.idempotency_key)
+    def start(
+        key: str, train: Callable[[Callable[[int, int], None]], Awaitable[TrainResult]]
+    ) -> StreamingResponse:
+        """The stream of the training call with idempotency key `key`: started by `train(progress)`
+        unless it runs or ran already (a retry reattaches), or failed (a retry runs it again)."""
+        job = jobs.get(key)
         if job is None or (job.finished and job.events[-1].kind == "error"):
-            job = jobs[req.idempotency_key] = TrainJob(req.idempotency_key)
+            job = jobs[key] = TrainJob(key)
             loop = asyncio.get_running_loop()
 
             def progress(done: int, total: int) -> None:  # called on the trainer's thread
@@ -243,26 +245,43 @@ def create_app(backend: LocalBackend, token: str, *, max_body_bytes: int = DEFAU
 
             async def run() -> None:
                 try:
-                    result = await backend.train(
-                        model,
-                        req.groups,
-                        req.config,
-                        idempotency_key=req.idempotency_key,
-                        on_progress=progress,
-                    )
-                    job.add(TrainEvent(kind="result", result=result))
+                    job.add(TrainEvent(kind="result", result=await train(progress)))
                 except Exception as e:  # the client gets the error as an event, by name
-                    log.exception("train %s failed", req.idempotency_key)
-                    field_ = e.field if isinstance(e, InvalidFieldError) else None
-                    job.add(
-                        TrainEvent(
-                            kind="error", error={"type": type(e).__name__, "message": str(e), "param": field_}
-                        )
-                    )
+                    log.exception("train %s failed", key)
+                    error: dict[str, Any] = {"type": type(e).__name__, "message": str(e), "param": None}
+                    if isinstance(e, InvalidFieldError):
+                        error.update(param=e.field, value=repr(e.value)[:200], reason=e.reason)
+                    job.add(TrainEvent(kind="error", error=error))
 
             # Not tied to the request: a client that disconnects does not stop the step.
             job.task = asyncio.create_task(run())
         return StreamingResponse(job.stream(), media_type="application/x-ndjson")
+
+    @app.post(f"{PREFIX}/models/{{name}}/train")
+    async def train(name: str, request: Request) -> StreamingResponse:
+        model = model_of(name)
+        req = await body(request, TrainBody)
+        return start(
+            req.idempotency_key,
+            lambda progress: backend.train(
+                model, req.groups, req.config, idempotency_key=req.idempotency_key, on_progress=progress
+            ),
+        )
+
+    @app.post(f"{PREFIX}/models/{{name}}/train_sft")
+    async def train_sft(name: str, request: Request) -> StreamingResponse:
+        model = model_of(name)
+        req = await body(request, SFTBody)
+        return start(
+            req.idempotency_key,
+            lambda progress: backend.train_sft(
+                model,
+                [*req.trajectories, *req.groups],
+                req.config,
+                idempotency_key=req.idempotency_key,
+                on_progress=progress,
+            ),
+        )
 
     @app.post(f"{PREFIX}/models/{{name}}/log")
     async def log_(name: str, request: Request) -> dict[str, float]:

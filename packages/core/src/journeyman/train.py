@@ -49,15 +49,7 @@ def build_rows(
         adv = group_advantages(rewards, scale_by_std=config.scale_rewards)
         for ti, (traj, a) in enumerate(zip(group.trajectories, adv.tolist(), strict=True)):
             rows += trajectory_rows(traj, chat_format, a, where=f"groups[{gi}].trajectories[{ti}]")
-    truncated = 0
-    for r in rows:
-        if len(r.input_ids) > config.max_seq_len:
-            truncated += 1
-            del (
-                r.input_ids[config.max_seq_len :],
-                r.trained[config.max_seq_len :],
-                r.rollout_logprobs[config.max_seq_len :],
-            )
+    truncated = truncate_rows(rows, config.max_seq_len)
     rows = [r for r in rows if r.num_trained and r.advantage != 0.0]
     return rows, {
         "groups": float(len(groups)),
@@ -66,6 +58,16 @@ def build_rows(
         "rows_truncated": float(truncated),
         "rows_retokenized": float(sum(r.retokenized for r in rows)),
     }
+
+
+def truncate_rows(rows: Sequence[Row], max_seq_len: int) -> int:
+    """Cut rows longer than `max_seq_len` tokens in place; returns how many were cut."""
+    truncated = 0
+    for r in rows:
+        if len(r.input_ids) > max_seq_len:
+            truncated += 1
+            del r.input_ids[max_seq_len:], r.trained[max_seq_len:], r.rollout_logprobs[max_seq_len:]
+    return truncated
 
 
 def shared_prefix_length(rows: Sequence[Row]) -> int:
@@ -88,6 +90,60 @@ def micro_batches(rows: list[Row], budget: int, shared: int = 0) -> Iterator[lis
         width = w
     if batch:
         yield batch
+
+
+def pad_rows(batch: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention mask, trained mask, rollout logprobs), each (B, T): rows right-padded to the longest."""
+    width = max(len(r.input_ids) for r in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    trained = torch.zeros((len(batch), width), dtype=torch.bool)
+    rollout = torch.full((len(batch), width), math.nan)
+    for i, r in enumerate(batch):
+        n = len(r.input_ids)
+        ids[i, :n] = torch.tensor(r.input_ids)
+        attn[i, :n] = 1
+        trained[i, :n] = torch.tensor(r.trained)
+        rollout[i, :n] = torch.tensor(r.rollout_logprobs)
+    return ids, attn, trained, rollout
+
+
+def trained_logprobs(
+    policy_model: Any,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    targets: torch.Tensor,
+    shared: int = 0,
+) -> torch.Tensor:
+    """log π(target) at the trained positions only: the LM head skips every prompt token.
+
+    `policy_model` is the PEFT model; (rows, pos) index the (B, T-1) target grid, whose position p
+    is predicted by the hidden state at p. The first `shared` tokens, the same in every row and
+    never trained, run once (see the module docstring); hidden states are then computed for the
+    rest only.
+    """
+    causal_lm: Any = policy_model.get_base_model()
+    if not shared:
+        hidden = causal_lm.model(input_ids=ids, attention_mask=attn).last_hidden_state  # (B, T, H)
+        # the hidden state at position p predicts token p + 1, the target at pos = p
+        return token_logprobs(causal_lm.lm_head(hidden[rows, pos]), targets)
+    b = ids.shape[0]
+    prefix = DynamicCache()
+    causal_lm.model(input_ids=ids[:1, :shared], past_key_values=prefix, use_cache=True)
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(cache_kv(prefix)):
+        cache.update(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1), layer)
+    positions = torch.arange(shared, ids.shape[1], device=ids.device)[None].expand(b, -1)
+    hidden = causal_lm.model(
+        input_ids=ids[:, shared:],
+        attention_mask=attn,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state  # (B, T - shared, H): position t of the row is hidden[:, t - shared]
+    return token_logprobs(causal_lm.lm_head(hidden[rows, pos - shared]), targets)
 
 
 def _return_freed_memory() -> None:
@@ -213,17 +269,7 @@ class GRPOTrainer:
         self, batch: list[Row], num_tokens: int, config: TrainConfig
     ) -> tuple[dict[str, float], int]:
         device = self.policy.device
-        width = max(len(r.input_ids) for r in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        trained = torch.zeros((len(batch), width), dtype=torch.bool)
-        rollout = torch.full((len(batch), width), math.nan)
-        for i, r in enumerate(batch):
-            n = len(r.input_ids)
-            ids[i, :n] = torch.tensor(r.input_ids)
-            attn[i, :n] = 1
-            trained[i, :n] = torch.tensor(r.trained)
-            rollout[i, :n] = torch.tensor(r.rollout_logprobs)
+        ids, attn, trained, rollout = pad_rows(batch)
         ids, attn, trained, rollout = ids.to(device), attn.to(device), trained.to(device), rollout.to(device)
         # Token t is predicted from position t-1: shift, then keep trained targets only.
         target_mask = trained[:, 1:]  # (B, T-1)
@@ -285,28 +331,4 @@ class GRPOTrainer:
         targets: torch.Tensor,
         shared: int = 0,
     ) -> torch.Tensor:
-        """log π(target) at the trained positions only: the LM head skips every prompt token.
-
-        The first `shared` tokens, the same in every row and never trained, run once (see the module
-        docstring); hidden states are then computed for the rest only.
-        """
-        causal_lm: Any = self.policy.model.get_base_model()
-        if not shared:
-            hidden = causal_lm.model(input_ids=ids, attention_mask=attn).last_hidden_state  # (B, T, H)
-            # the hidden state at position p predicts token p + 1, the target at pos = p
-            return token_logprobs(causal_lm.lm_head(hidden[rows, pos]), targets)
-        b = ids.shape[0]
-        prefix = DynamicCache()
-        causal_lm.model(input_ids=ids[:1, :shared], past_key_values=prefix, use_cache=True)
-        cache = DynamicCache()
-        for layer, (k, v) in enumerate(cache_kv(prefix)):
-            cache.update(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1), layer)
-        positions = torch.arange(shared, ids.shape[1], device=ids.device)[None].expand(b, -1)
-        hidden = causal_lm.model(
-            input_ids=ids[:, shared:],
-            attention_mask=attn,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-        ).last_hidden_state  # (B, T - shared, H): position t of the row is hidden[:, t - shared]
-        return token_logprobs(causal_lm.lm_head(hidden[rows, pos - shared]), targets)
+        return trained_logprobs(self.policy.model, ids, attn, rows, pos, targets, shared)

@@ -119,6 +119,17 @@ def _run(coro_fn: Callable[..., Coroutine[Any, Any, T]], *args: object) -> T:
         raise typer.Exit(130) from None
 
 
+def _checked(make: Callable[[], T]) -> T:
+    """A setting built from options, or one clear line and exit code 2 naming the bad one."""
+    from journeyman.errors import JourneymanError
+
+    try:
+        return make()
+    except JourneymanError as e:
+        typer.secho(f"mcp-rl: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+
+
 def _echo(msg: str) -> None:
     typer.echo(msg, err=True)
 
@@ -173,13 +184,25 @@ def train(
     max_exceptions: Annotated[
         float, typer.Option(help="failed rollouts tolerated per step (count, or fraction < 1)")
     ] = 0.25,
+    sft_warmup: Annotated[
+        Path | None,
+        typer.Option(
+            help="before RL, fine-tune on the trajectories in this .jsonl (Trajectory or TrajectoryGroup "
+            "lines, e.g. successful runs); skipped when the run resumes past step 0"
+        ),
+    ] = None,
+    sft_epochs: Annotated[int, typer.Option(help="epochs of the SFT warm-up")] = 2,
+    sft_learning_rate: Annotated[float, typer.Option(help="peak learning rate of the SFT warm-up")] = 2e-4,
     engine: Engine = "torch",
     path: RunRoot = Path(".journeyman"),
     backend: BackendUrl = None,
     token: Token = None,
     seed: Seed = 0,
 ) -> None:
-    """Generate scenarios, evaluate, train with RULER + GRPO, evaluate again; print a before/after table."""
+    """Generate scenarios, evaluate, (fine-tune on --sft-warmup and evaluate,) train with RULER + GRPO,
+    evaluate again; print a before/after table."""
+    import journeyman as jm
+
     from .train import train as run_train
 
     settings = _settings(
@@ -216,6 +239,8 @@ def train(
         backend=backend,
         token=token,
         seed=seed,
+        sft_warmup=sft_warmup,
+        sft=_checked(lambda: jm.SFTConfig(epochs=sft_epochs, learning_rate=sft_learning_rate)),
     )
     report = _run(run_train, settings, _echo)
     typer.echo(report.table())

@@ -91,6 +91,12 @@ class McpRlSettings(BaseModel):
     )
     seed: int = 0
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    sft_warmup: Path | None = Field(
+        default=None,
+        description="before RL, fine-tune on the trajectories in this .jsonl (Trajectory or TrajectoryGroup "
+        "lines, e.g. successful runs); only when the run starts at step 0",
+    )
+    sft: jm.SFTConfig = Field(default_factory=jm.SFTConfig, description="settings of the SFT warm-up")
 
     @property
     def pool_size(self) -> int:
@@ -269,6 +275,24 @@ async def load_or_generate(
     return sset, path, report
 
 
+async def sft_warmup(
+    model: jm.TrainableModel, trajectories: list[jm.Trajectory], config: jm.SFTConfig, echo: Echo
+) -> bool:
+    """Supervised fine-tuning before any RL step; False when the run has already trained (a
+    resume), since the warm-up is in its checkpoints already."""
+    step = await model.get_step()
+    if step > 0:
+        echo(f"sft warm-up skipped: the run resumes at step {step}")
+        return False
+    result = await model.train_sft(trajectories, config=config)
+    m = result.metrics
+    echo(
+        f"sft warm-up on {len(trajectories)} trajectories: loss {m['loss_first_epoch']:.3f} -> {m['loss']:.3f} "
+        f"over {m['epochs']:.0f} epochs, {m['train_seconds']:.0f}s; now at step {result.step}"
+    )
+    return True
+
+
 async def connect(settings: McpRlSettings, echo: Echo) -> tuple[SessionPool, ServerInfo]:
     # A stdio server's stderr (often chatty logging) goes to a file in the run directory.
     errlog = settings.path / settings.project / "models" / settings.model / "mcp_server.log"
@@ -290,6 +314,8 @@ async def connect(settings: McpRlSettings, echo: Echo) -> tuple[SessionPool, Ser
 
 
 async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
+    # a bad warm-up file fails now, not after the model loaded and the first evaluation ran
+    warmup = jm.read_trajectories(settings.sft_warmup) if settings.sft_warmup is not None else None
     pool, info = await connect(settings, echo)
     backend = settings.open_backend()
     try:
@@ -317,6 +343,8 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
         cfg = settings.rollout
         evals: list[EvalSummary] = []
         evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
+        if warmup is not None and await sft_warmup(model, warmup, settings.sft, echo):
+            evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
         client = model.openai_client()
         score = functools.partial(score_group, judge=judge, judge_model=settings.judge_model, backend=backend)
         config = jm.TrainConfig(
