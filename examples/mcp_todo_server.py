@@ -21,152 +21,46 @@ shared list on 127.0.0.1.
 from __future__ import annotations
 
 import argparse
-import json
-import random
+from collections.abc import Callable
 from pathlib import Path
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from todo_task import TodoError, TodoList, write_scenarios
 
 server = MCPServer("todo", instructions="A personal to-do list. Tasks are identified by their title.")
-_tasks: dict[str, bool] = {}  # title -> done
+_list = TodoList()  # one per process: over stdio, one per pooled session
 
 
-def _key(title: str) -> str:
-    return " ".join(title.strip().split()).lower()
+def _tool(result: Callable[[], str]) -> str:
+    try:
+        return result()
+    except TodoError as e:  # the client gets an error result with the list's message
+        raise ToolError(str(e)) from None
 
 
 @server.tool()
 def add_task(title: str) -> str:
     """Add a new open task with this title to the to-do list."""
-    key = _key(title)
-    if not key:
-        raise ToolError("title must not be empty")
-    if key in _tasks:
-        return f"'{key}' is already on the list."
-    _tasks[key] = False
-    return f"Added '{key}'."
+    return _tool(lambda: _list.add_task(title))
 
 
 @server.tool()
 def list_tasks() -> str:
     """List every task on the to-do list with its status (open or done)."""
-    if not _tasks:
-        return "The list is empty."
-    return "\n".join(f"- {t} ({'done' if d else 'open'})" for t, d in _tasks.items())
+    return _list.list_tasks()
 
 
 @server.tool()
 def mark_done(title: str) -> str:
     """Mark the task with this title as done."""
-    key = _key(title)
-    if key not in _tasks:
-        raise ToolError(f"no task titled '{key}'; the list has {sorted(_tasks) or 'nothing'}")
-    _tasks[key] = True
-    return f"Marked '{key}' as done."
+    return _tool(lambda: _list.mark_done(title))
 
 
 @server.tool()
 def remove_task(title: str) -> str:
     """Delete the task with this title from the to-do list."""
-    key = _key(title)
-    if key not in _tasks:
-        raise ToolError(f"no task titled '{key}'")
-    del _tasks[key]
-    return f"Removed '{key}'."
-
-
-# -- scenarios with a checkable end state -------------------------------------------------------------
-
-TITLES = [
-    "buy milk",
-    "pay rent",
-    "call mom",
-    "water the plants",
-    "book a dentist visit",
-    "renew passport",
-    "clean the garage",
-    "send the invoice",
-    "fix the bike",
-    "walk the dog",
-    "order printer ink",
-    "return library books",
-    "plan the trip",
-    "update the resume",
-    "cancel the gym plan",
-    "bake bread",
-    "wash the car",
-    "pick up the parcel",
-    "backup the laptop",
-    "write a thank you note",
-    "feed the cat",
-    "paint the fence",
-    "file the taxes",
-    "buy a birthday gift",
-    "mow the lawn",
-    "charge the camera",
-    "sort the photos",
-    "repair the roof",
-    "book the flights",
-    "read the contract",
-    "empty the dishwasher",
-    "visit grandma",
-]
-ADD = [
-    "Add '{t}' to my to-do list.",
-    "Put '{t}' on my list of tasks.",
-    "I need to remember to {t}: add it as a task.",
-]
-DONE = [
-    "Mark '{t}' as done.",
-    "I finished '{t}'. Mark it done on my list.",
-    "Check off '{t}' on my to-do list.",
-]
-REMOVE = [
-    "Remove '{t}' from my to-do list.",
-    "Delete the task '{t}'.",
-    "Take '{t}' off my list, I no longer need it.",
-]
-
-
-def scenario(kind: str, title: str, rng: random.Random) -> dict[str, object]:
-    listing = {"tool": "list_tasks", "arguments": {}}
-    if kind == "add":
-        task = rng.choice(ADD).format(t=title)
-        setup = [{"tool": "remove_task", "arguments": {"title": title}}]
-        checks = [{**listing, "expect_contains": [title]}]
-        tools = ["add_task"]
-    elif kind == "done":
-        task = rng.choice(DONE).format(t=title)
-        setup = [
-            {"tool": "remove_task", "arguments": {"title": title}},
-            {"tool": "add_task", "arguments": {"title": title}},
-        ]
-        checks = [{**listing, "expect_contains": [f"{title} (done)"]}]
-        tools = ["mark_done"]
-    else:
-        task = rng.choice(REMOVE).format(t=title)
-        setup = [{"tool": "add_task", "arguments": {"title": title}}]
-        checks = [{**listing, "expect_absent": [title]}]
-        tools = ["remove_task"]
-    sid = f"{kind}-{title.replace(' ', '-')}"
-    return {"id": sid, "task": task, "difficulty": 1, "tools": tools, "setup": setup, "checks": checks}
-
-
-def write_scenarios(path: Path, num_eval_titles: int = 8, seed: int = 0) -> None:
-    """Every title x {add, done, remove}; the eval split uses titles never seen in training."""
-    rng = random.Random(seed)
-    titles = list(TITLES)
-    rng.shuffle(titles)
-    eval_titles, train_titles = titles[:num_eval_titles], titles[num_eval_titles:]
-    kinds = ["add", "done", "remove"]
-    data = {
-        "server": "python examples/mcp_todo_server.py",
-        "tools": ["add_task", "list_tasks", "mark_done", "remove_task"],
-        "train": [scenario(k, t, rng) for t in train_titles for k in kinds],
-        "eval": [scenario(k, t, rng) for t in eval_titles for k in kinds],
-    }
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    return _tool(lambda: _list.remove_task(title))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ TIMEOUT_S = 600  # per example, from its own start
 AT_ONCE = 2  # examples running at the same time: one per core
 # The smallest run that still gathers a group GRPO could compare: one step, one group of two.
 SMALLEST = ("--steps", "1", "--groups", "1", "--group-size", "2")
-SERVERS = {"mcp_todo_server.py"}  # started by packages/mcp/tests
+# Not scripts of their own: the server packages/mcp/tests start, and the to-do task the examples share.
+NOT_EXAMPLES = {"mcp_todo_server.py", "todo_task.py"}
 
 
 @dataclass(frozen=True)
@@ -112,14 +113,27 @@ def check_one_step(run_dir: Path, groups: int, group_size: int) -> list[dict[str
     return trajectories
 
 
+def check_held_out(run_dir: Path, out: str, tasks: int) -> None:
+    """The before/after evaluation on `tasks` held-out tasks, its paired report and the reward plot."""
+    assert "held-out success" in out and f"run directory: {run_dir}" in out, out[-2000:]
+    evals = [row for row in _history(run_dir) if row["split"] == "val"]
+    assert len(evals) == 2 and all(row["val/trajectories"] == tasks for row in evals), evals
+    assert (run_dir / "reward.png").stat().st_size > 0
+
+
 def check_agents_sdk(runs: Path, out: str, langfuse: Any) -> None:
-    run_dir = runs / "agents-sdk-example" / "models" / "weather-agent"
-    assert "step 0 -> " in out and f"run directory: {run_dir}" in out, out[-2000:]
+    run_dir = runs / "agents-sdk-example" / "models" / "todo-agent"
+    check_held_out(run_dir, out, tasks=2)
     for t in check_one_step(run_dir, groups=1, group_size=2):
-        # the forced call of get_weather, its result, then an answer (which may call the tool again)
+        # the triage agent's forced handoff; then the to-do agent's own history (another system
+        # prompt): its forced tool call, the tool's result, its answer
         roles = [m.get("role") or m["message"]["role"] for m in t["messages_and_choices"]]
-        assert roles[:5] == ["system", "user", "assistant", "tool", "assistant"], roles
-        assert t["messages_and_choices"][2]["message"]["tool_calls"], t["messages_and_choices"][2]
+        assert roles == ["system", "user", "assistant"], roles
+        (handoff,) = t["messages_and_choices"][2]["message"]["tool_calls"]
+        assert handoff["function"]["name"] == "transfer_to_todo_keeper", handoff
+        (keeper,) = t["additional_histories"]
+        sampled = [m for m in keeper["messages_and_choices"] if "journeyman" in m]
+        assert len(sampled) == 2 and sampled[0]["message"]["tool_calls"], keeper
 
 
 def check_ruler(runs: Path, out: str, langfuse: Any) -> None:
@@ -130,13 +144,11 @@ def check_ruler(runs: Path, out: str, langfuse: Any) -> None:
 
 
 def check_langgraph(runs: Path, out: str, langfuse: Any) -> None:
-    run_dir = runs / "langgraph-example" / "models" / "weather-agent"
-    assert "val reward" in out and f"run directory: {run_dir}" in out, out[-2000:]
+    run_dir = runs / "langgraph-example" / "models" / "todo-agent"
+    check_held_out(run_dir, out, tasks=2)
     for t in check_one_step(run_dir, groups=1, group_size=2):
         # create_agent's model node, twice: the forced tool call, then the answer after the tool result
         assert t["metadata"]["langgraph_nodes"] == ["model", "model"], t["metadata"]
-    evals = [row for row in _history(run_dir) if row["split"] == "val"]
-    assert len(evals) == 2 and all(row["val/trajectories"] == 2 for row in evals), evals
 
 
 def check_langfuse(runs: Path, out: str, langfuse: Any) -> None:
@@ -175,10 +187,10 @@ class Example:
 EXAMPLE_RUNS = [
     Example(
         "langgraph_train.py",
-        (*SMALLEST, "--eval-size", "1", "--eval-scenarios", "2", "--answer-tokens", "4"),
+        (*SMALLEST, "--eval-scenarios", "2", "--answer-tokens", "4"),
         check_langgraph,
     ),
-    Example("agents_sdk_train.py", SMALLEST, check_agents_sdk),
+    Example("agents_sdk_train.py", (*SMALLEST, "--eval-scenarios", "2"), check_agents_sdk),
     Example(
         "sft_warmup_todo.py",
         (
@@ -255,8 +267,8 @@ def started(
 
 
 def test_every_example_is_tested() -> None:
-    """A new example needs an entry in EXAMPLE_RUNS (or in SERVERS)."""
-    assert {p.name for p in EXAMPLES.glob("*.py")} == {e.script for e in EXAMPLE_RUNS} | SERVERS
+    """A new example needs an entry in EXAMPLE_RUNS (or in NOT_EXAMPLES)."""
+    assert {p.name for p in EXAMPLES.glob("*.py")} == {e.script for e in EXAMPLE_RUNS} | NOT_EXAMPLES
 
 
 @pytest.mark.integration
