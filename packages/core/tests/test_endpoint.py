@@ -331,7 +331,7 @@ async def test_a_request_arriving_mid_batch_joins_it_and_is_answered_first(serve
 
     model, backend = served
     policy = backend.service(model).policy
-    engine = TorchEngine(policy, stop_ids=set())  # no stop token: every row samples max_tokens
+    engine = TorchEngine(policy, stop_ids=set(), continuous=True)  # no stop token: rows sample max_tokens
     tok = policy.tokenizer
 
     def prompt(text: str) -> list[int]:
@@ -356,6 +356,52 @@ async def test_a_request_arriving_mid_batch_joins_it_and_is_answered_first(serve
             again = policy.sampled_logprobs(prompt(text), s.token_ids)
             assert max(abs(a - b) for a, b in zip(again, s.logprobs, strict=True)) < 1e-4
     finally:
+        engine.close()
+
+
+async def test_a_training_step_gets_the_weights_from_an_engine_that_never_runs_dry(served, tmp_path) -> None:
+    """Requests queue faster than batches end (more than a batch holds, each answered one re-sent,
+    so rows keep joining the running batch): a step (`editing`) and its checkpoint (`save`) still
+    get the weights within a few decode steps, and sampling goes on after them. (The soak hung
+    here: the checkpoint waited on the lock of a batch that never ended.)"""
+    import time
+
+    from journeyman.engine.base import SamplingParams
+    from journeyman.engine.torch_engine import TorchEngine
+
+    model, backend = served
+    policy = backend.service(model).policy
+    engine = TorchEngine(policy, stop_ids=set(), max_batch_rows=4, continuous=True)
+    prompt = policy.tokenizer.encode("Count to ten:")
+    answered = 0
+    stop = asyncio.Event()
+
+    async def client(i: int) -> None:
+        nonlocal answered
+        while not stop.is_set():
+            await engine.generate(prompt, SamplingParams(max_tokens=3 + i % 7, seed=i))  # staggered ends
+            answered += 1
+
+    clients = [asyncio.create_task(client(i)) for i in range(12)]  # 12 rows for a 4-row batch
+    try:
+        while answered < 4:
+            await asyncio.sleep(0.05)
+
+        def step() -> float:
+            t0 = time.perf_counter()
+            with policy.editing():
+                time.sleep(0.2)  # the step holds the weights a while
+            policy.save(tmp_path / "checkpoint")
+            return time.perf_counter() - t0
+
+        waited = await asyncio.wait_for(asyncio.to_thread(step), timeout=90)
+        before = answered
+        while answered < before + 4:  # and sampling resumes
+            await asyncio.sleep(0.05)
+        assert waited < 30, waited
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*clients, return_exceptions=True), timeout=60)
         engine.close()
 
 

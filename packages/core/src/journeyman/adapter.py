@@ -85,16 +85,21 @@ class LoraPolicy:
         # fp32: merge and unmerge round the base weights each time, which bf16 would compound.
         self.merges = self.dtype == torch.float32
         self._merged = False
-        # Callers waiting in `editing`: the engine admits no new rows while there are any, so a
-        # continuously fed batch drains and a training step gets the weights.
+        # Callers waiting in `editing` or `save`: the engine admits no new rows while there are any, so a
+        # continuously fed batch drains, and a new batch waits for them (`sampling`), so a training
+        # step gets the weights even when requests queue faster than batches end.
         self.editors_waiting = 0
-        self._count_lock = threading.Lock()
+        self._editors = threading.Condition()
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[None]:
         """Hold the weights to sample: the adapter merged into the base linear layers (W + BA), so
         each layer is one matmul, not three plus PEFT's dispatch. They stay merged from batch to
-        batch; whatever changes the adapter unmerges first (`editing`)."""
+        batch; whatever changes the adapter unmerges first (`editing`). Waits while an editor is
+        waiting: RLock is not fair, and an engine that releases and re-takes it between two batches
+        would otherwise starve a training step forever."""
+        with self._editors:
+            self._editors.wait_for(lambda: self.editors_waiting == 0)
         with self.lock:
             if self.merges and not self._merged:
                 self.model.merge_adapter()
@@ -105,17 +110,25 @@ class LoraPolicy:
     def editing(self) -> Iterator[None]:
         """Hold the weights to train or change the adapter: unmerged, so gradients reach the LoRA
         matrices and a change lands in them alone."""
-        with self._count_lock:
+        with self._exclusive():
+            if self._merged:
+                self.model.unmerge_adapter()
+                self._merged = False
+            yield
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The lock, taken ahead of the engine: while a caller waits here the engine admits no new
+        rows and starts no new batch (`editors_waiting`), so it gets the weights within one batch."""
+        with self._editors:
             self.editors_waiting += 1
         try:
             self.lock.acquire()
         finally:
-            with self._count_lock:
+            with self._editors:
                 self.editors_waiting -= 1
+                self._editors.notify_all()
         try:
-            if self._merged:
-                self.model.unmerge_adapter()
-                self._merged = False
             yield
         finally:
             self.lock.release()
@@ -140,7 +153,7 @@ class LoraPolicy:
 
     def save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        with self.lock:
+        with self._exclusive():  # merged or not: the LoRA matrices are what is saved
             self.model.save_pretrained(str(path))
 
     def reset(self) -> None:
