@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import random
 import time
-from contextvars import ContextVar
 from pathlib import Path
 
 import journeyman as jm
@@ -27,33 +26,9 @@ from agents import Agent, ModelSettings, function_tool, handoff
 from agents.extensions import handoff_filters
 from journeyman.plot import plot_history
 from journeyman_agents import TrainableRunner
-from todo_task import INSTRUCTIONS, Scenario, TodoList, held_out_report, load_scenarios
+from todo_task import EPISODE, INSTRUCTIONS, TOOL_FUNCTIONS, Scenario, held_out_report, load_scenarios
 
-EPISODE: ContextVar[TodoList] = ContextVar("todo_list")  # the list of the run going on in this task
-
-
-@function_tool
-def add_task(title: str) -> str:
-    """Add a new open task with this title to the to-do list."""
-    return EPISODE.get().call("add_task", {"title": title})
-
-
-@function_tool
-def list_tasks() -> str:
-    """List every task on the to-do list with its status (open or done)."""
-    return EPISODE.get().call("list_tasks", {})
-
-
-@function_tool
-def mark_done(title: str) -> str:
-    """Mark the task with this title as done."""
-    return EPISODE.get().call("mark_done", {"title": title})
-
-
-@function_tool
-def remove_task(title: str) -> str:
-    """Delete the task with this title from the to-do list."""
-    return EPISODE.get().call("remove_task", {"title": title})
+TOOLS = [function_tool(f) for f in TOOL_FUNCTIONS]  # the to-do tools of the episode set in EPISODE
 
 
 def triage_agent(temperature: float) -> Agent:
@@ -63,7 +38,7 @@ def triage_agent(temperature: float) -> Agent:
     keeper = Agent(
         name="todo_keeper",
         instructions=INSTRUCTIONS,
-        tools=[add_task, list_tasks, mark_done, remove_task],
+        tools=TOOLS,
         model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=temperature),
     )
     return Agent(

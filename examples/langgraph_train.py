@@ -22,7 +22,6 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -33,36 +32,9 @@ from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import tool
-from todo_task import INSTRUCTIONS, Scenario, TodoList, held_out_report, load_scenarios
+from todo_task import EPISODE, INSTRUCTIONS, TOOL_FUNCTIONS, Scenario, held_out_report, load_scenarios
 
-EPISODE: ContextVar[TodoList] = ContextVar("todo_list")  # the list of the episode running in this task
-
-
-@tool
-def add_task(title: str) -> str:
-    """Add a new open task with this title to the to-do list."""
-    return EPISODE.get().call("add_task", {"title": title})
-
-
-@tool
-def list_tasks() -> str:
-    """List every task on the to-do list with its status (open or done)."""
-    return EPISODE.get().call("list_tasks", {})
-
-
-@tool
-def mark_done(title: str) -> str:
-    """Mark the task with this title as done."""
-    return EPISODE.get().call("mark_done", {"title": title})
-
-
-@tool
-def remove_task(title: str) -> str:
-    """Delete the task with this title from the to-do list."""
-    return EPISODE.get().call("remove_task", {"title": title})
-
-
-TOOLS = [add_task, list_tasks, mark_done, remove_task]
+TOOLS = [tool(f) for f in TOOL_FUNCTIONS]  # the to-do tools of the episode set in EPISODE
 
 
 class ToolThenAnswer(AgentMiddleware):

@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import random
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,36 @@ class TodoList:
     def run(self, tool: str, arguments: dict[str, Any]) -> str:
         """A tool by name, as a scenario's setup and checks name them (not counted)."""
         return getattr(self, tool)(**arguments)
+
+
+# -- the list as an agent's tools, for one episode at a time ------------------------------------------
+
+EPISODE: ContextVar[TodoList] = ContextVar("todo_list")
+"""The list of the episode running in this task (and the tasks it starts): set it before the run."""
+
+
+def add_task(title: str) -> str:
+    """Add a new open task with this title to the to-do list."""
+    return EPISODE.get().call("add_task", {"title": title})
+
+
+def list_tasks() -> str:
+    """List every task on the to-do list with its status (open or done)."""
+    return EPISODE.get().call("list_tasks", {})
+
+
+def mark_done(title: str) -> str:
+    """Mark the task with this title as done."""
+    return EPISODE.get().call("mark_done", {"title": title})
+
+
+def remove_task(title: str) -> str:
+    """Delete the task with this title from the to-do list."""
+    return EPISODE.get().call("remove_task", {"title": title})
+
+
+TOOL_FUNCTIONS = [add_task, list_tasks, mark_done, remove_task]
+"""Plain functions: wrap them as your framework's tools (LangChain `tool`, Agents SDK `function_tool`)."""
 
 
 @dataclass(frozen=True)
@@ -231,7 +262,9 @@ def write_scenarios(path: Path, num_eval_titles: int = 8, seed: int = 0) -> None
 
 
 __all__ = [
+    "EPISODE",
     "INSTRUCTIONS",
+    "TOOL_FUNCTIONS",
     "Scenario",
     "TodoError",
     "TodoList",
