@@ -282,7 +282,7 @@ def test_a_shared_prefix_runs_once_with_the_same_logprobs_and_gradients(served) 
     """Rows that share an untrained prefix (system prompt, tools) run it once per micro-batch; the
     logprobs and the LoRA gradients equal those of running every row in full."""
     from journeyman.tokenize import Row
-    from journeyman.train import micro_batches, shared_prefix_length
+    from journeyman.train import micro_batches, pad_rows, shared_prefix_length, trained_logprobs
 
     model, backend = served
     service = backend.service(model)
@@ -302,21 +302,14 @@ def test_a_shared_prefix_runs_once_with_the_same_logprobs_and_gradients(served) 
         len(b) for b in micro_batches(rows, budget=2 * (len(rows[1].input_ids) - shared), shared=shared)
     ] == [2]
 
-    width = max(len(r.input_ids) for r in rows)
-    ids = torch.zeros((2, width), dtype=torch.long)
-    attn = torch.zeros((2, width), dtype=torch.long)
-    trained = torch.zeros((2, width), dtype=torch.bool)
-    for i, r in enumerate(rows):
-        ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids)
-        attn[i, : len(r.input_ids)] = 1
-        trained[i, : len(r.input_ids)] = torch.tensor(r.trained)
+    ids, attn, trained, _ = pad_rows(rows)
     rows_idx, pos_idx = trained[:, 1:].nonzero(as_tuple=True)
     targets = ids[:, 1:][rows_idx, pos_idx]
     params = service.policy.trainable_parameters()
     results = []
     with service.policy.editing():  # unmerged: the shared model may be merged from sampling
         for n in (0, shared):
-            logp = service.trainer._logprobs(ids, attn, rows_idx, pos_idx, targets, n)
+            logp = trained_logprobs(service.policy.model, ids, attn, rows_idx, pos_idx, targets, n)
             grads = torch.autograd.grad((logp * torch.linspace(-1, 1, len(logp))).sum(), params)
             results.append((logp.detach(), grads))
     (full, g_full), (once, g_once) = results

@@ -282,11 +282,13 @@ class GRPOTrainer:
         )
         shared = shared_prefix_length(batch)
         with autocast:
-            logp_flat = self._logprobs(ids, attn, rows_idx, pos_idx, targets, shared)
+            logp_flat = trained_logprobs(self.policy.model, ids, attn, rows_idx, pos_idx, targets, shared)
             ref_flat = None
             if config.kl_coef > 0:
                 with torch.no_grad(), self.policy.base_only():
-                    ref_flat = self._logprobs(ids, attn, rows_idx, pos_idx, targets, shared)
+                    ref_flat = trained_logprobs(
+                        self.policy.model, ids, attn, rows_idx, pos_idx, targets, shared
+                    )
         # Back to (B, T-1) for the loss, which normalises per token.
         shape = target_mask.shape
         logp = torch.zeros(shape, device=device).index_put((rows_idx, pos_idx), logp_flat)
@@ -321,14 +323,3 @@ class GRPOTrainer:
             gap = ((logp.detach() - rollout_lp).abs() * mask).sum() / max(num_tokens, 1)
         metrics["engine_trainer_logprob_gap"] = float(gap)
         return metrics, int(ids.numel() - int(attn.sum()))
-
-    def _logprobs(
-        self,
-        ids: torch.Tensor,
-        attn: torch.Tensor,
-        rows: torch.Tensor,
-        pos: torch.Tensor,
-        targets: torch.Tensor,
-        shared: int = 0,
-    ) -> torch.Tensor:
-        return trained_logprobs(self.policy.model, ids, attn, rows, pos, targets, shared)

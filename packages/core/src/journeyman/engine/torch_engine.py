@@ -226,8 +226,10 @@ class TorchEngine(Engine):
     def _worth_joining(self, batch: _Batch, carry: list[_Job]) -> bool:
         """Whether the requests queued now should join the running batch (see `join_fraction`)."""
         queued = len(carry) + self._queue.qsize()  # jobs, not rows: a close enough count
-        if not queued or len(batch.rows) >= self.max_batch_rows:
-            self._queued_since = None if not queued else self._queued_since
+        if not queued:
+            self._queued_since = None
+            return False
+        if len(batch.rows) >= self.max_batch_rows:
             return False
         now = time.monotonic()
         if self._queued_since is None:
