@@ -7,7 +7,8 @@ tasks and checks as the MCP and LangGraph examples, 72 for training, 24 held out
 seen in training). The runner serves both agents from the trainable model (Responses API by
 default, `--api chat_completions` for the other one), and every run comes back as the SDK's
 `RunResult` plus a `Trajectory` with the exact sampled tokens of all three turns (the handoff, the
-tool call, the answer). Held-out success (greedy) is measured before and after.
+tool call, the answer). Held-out success (greedy, each held-out task in
+its 3 phrasings: 72) is measured before and after, with the paired count of tasks fixed and broken.
 
     uv run python examples/agents_sdk_train.py                 # 10 steps, about 12 minutes on 2 CPU cores
     uv run python examples/agents_sdk_train.py --api chat_completions --steps 4
@@ -26,7 +27,15 @@ from agents import Agent, ModelSettings, function_tool, handoff
 from agents.extensions import handoff_filters
 from journeyman.plot import plot_history
 from journeyman_agents import TrainableRunner
-from todo_task import EPISODE, INSTRUCTIONS, TOOL_FUNCTIONS, Scenario, held_out_report, load_scenarios
+from todo_task import (
+    EPISODE,
+    INSTRUCTIONS,
+    TOOL_FUNCTIONS,
+    Scenario,
+    every_phrasing,
+    held_out_report,
+    load_scenarios,
+)
 
 TOOLS = [function_tool(f) for f in TOOL_FUNCTIONS]  # the to-do tools of the episode set in EPISODE
 
@@ -64,7 +73,10 @@ async def rollout(runner: TrainableRunner, agent: Agent, s: Scenario) -> jm.Traj
 
 
 async def main(args: argparse.Namespace) -> None:
-    train_set, eval_set = load_scenarios("train"), load_scenarios("eval")[: args.eval_scenarios]
+    train_set, eval_set = (
+        load_scenarios("train"),
+        every_phrasing(load_scenarios("eval"))[: args.eval_scenarios],
+    )
     async with jm.LocalBackend(path=args.path) as backend:
         model = jm.TrainableModel(name=args.name, project="agents-sdk-example")
         await model.register(backend)
@@ -119,7 +131,10 @@ if __name__ == "__main__":
     p.add_argument("--groups", type=int, default=3, help="training tasks per step")
     p.add_argument("--group-size", type=int, default=8, help="rollouts per task")
     p.add_argument(
-        "--eval-scenarios", type=int, default=24, help="held-out tasks to evaluate on (at most 24)"
+        "--eval-scenarios",
+        type=int,
+        default=72,
+        help="held-out tasks to evaluate on (at most 72: the 24 held-out tasks, each in 3 phrasings)",
     )
     p.add_argument("--learning-rate", type=float, default=5e-4)
     p.add_argument("--name", default="todo-agent")

@@ -5,9 +5,10 @@ The agent keeps a to-do list with four tools (add, list, mark done, remove). Eac
 asked for (`todo_task.py`: the same tasks and checks as the MCP example, 72 for training, 24 held
 out on titles never seen in training). The embedded 135M model starts weak at it; each step rolls
 three training tasks out eight times, GRPO compares the rollouts of a task, and the endpoint serves
-the updated adapter for the next step. Held-out success (greedy) is measured before and after.
+the updated adapter for the next step. Held-out success (greedy, each held-out task in
+its 3 phrasings: 72) is measured before and after, with the paired count of tasks fixed and broken.
 
-    uv run python examples/langgraph_train.py                 # 10 steps, about 10 minutes on 2 CPU cores
+    uv run python examples/langgraph_train.py                 # 10 steps, about 12 minutes on 2 CPU cores
     uv run python examples/langgraph_train.py --steps 4 --eval-scenarios 12
 
 The first model turn is a forced tool call (`tool_choice="required"`: the endpoint constrains
@@ -32,7 +33,15 @@ from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import tool
-from todo_task import EPISODE, INSTRUCTIONS, TOOL_FUNCTIONS, Scenario, held_out_report, load_scenarios
+from todo_task import (
+    EPISODE,
+    INSTRUCTIONS,
+    TOOL_FUNCTIONS,
+    Scenario,
+    every_phrasing,
+    held_out_report,
+    load_scenarios,
+)
 
 TOOLS = [tool(f) for f in TOOL_FUNCTIONS]  # the to-do tools of the episode set in EPISODE
 
@@ -53,7 +62,10 @@ class ToolThenAnswer(AgentMiddleware):
 
 
 async def main(args: argparse.Namespace) -> None:
-    train_set, eval_set = load_scenarios("train"), load_scenarios("eval")[: args.eval_scenarios]
+    train_set, eval_set = (
+        load_scenarios("train"),
+        every_phrasing(load_scenarios("eval"))[: args.eval_scenarios],
+    )
     async with jm.LocalBackend(path=args.path) as backend:
         model = jm.TrainableModel(name=args.name, project="langgraph-example")
         await model.register(backend)
@@ -125,7 +137,10 @@ if __name__ == "__main__":
     p.add_argument("--groups", type=int, default=3, help="training tasks per step")
     p.add_argument("--group-size", type=int, default=8, help="rollouts per task")
     p.add_argument(
-        "--eval-scenarios", type=int, default=24, help="held-out tasks to evaluate on (at most 24)"
+        "--eval-scenarios",
+        type=int,
+        default=72,
+        help="held-out tasks to evaluate on (at most 72: the 24 held-out tasks, each in 3 phrasings)",
     )
     p.add_argument("--answer-tokens", type=int, default=8, help="max tokens of the answer after the tool")
     p.add_argument("--learning-rate", type=float, default=5e-4)

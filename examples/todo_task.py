@@ -221,6 +221,23 @@ REMOVE = [
 ]
 
 
+PHRASINGS = {"add": ADD, "done": DONE, "remove": REMOVE}
+
+
+def every_phrasing(scenarios: list[Scenario]) -> list[Scenario]:
+    """Each scenario asked in each of its kind's phrasings (same setup and checks): 3x the held-out
+    tasks for the examples' paired before/after, at no cost in new titles. The stored phrasing keeps
+    its id; the others get `<id>/<n>`."""
+    out: list[Scenario] = []
+    for s in scenarios:
+        kind, _, slug = s.id.partition("-")
+        title = slug.replace("-", " ")
+        for n, phrasing in enumerate(PHRASINGS[kind]):
+            task = phrasing.format(t=title)
+            out.append(Scenario(s.id if task == s.task else f"{s.id}/{n}", task, s.setup, s.checks))
+    return out
+
+
 def scenario(kind: str, title: str, rng: random.Random) -> dict[str, object]:
     listing = {"tool": "list_tasks", "arguments": {}}
     if kind == "add":
@@ -268,6 +285,7 @@ __all__ = [
     "Scenario",
     "TodoError",
     "TodoList",
+    "every_phrasing",
     "held_out_report",
     "load_scenarios",
     "write_scenarios",
