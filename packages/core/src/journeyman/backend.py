@@ -27,6 +27,14 @@ from .config import ModelConfig, SFTConfig, TrainConfig, TrainResult
 from .errors import InvalidFieldError
 from .types import Trajectory, TrajectoryGroup
 
+REQUEST_TIMEOUT_S = 900.0
+"""How long an endpoint holds a request before it answers 504 (`EngineTimeoutError`). Clients wait a
+little longer, so an overloaded engine ends a request with that named error, which also drops the
+request from the engine's queue, rather than the client giving up on its own and retrying while
+the abandoned request still takes batch time."""
+CLIENT_TIMEOUT_S = REQUEST_TIMEOUT_S + 60.0
+"""What a client of an endpoint waits for an answer (see REQUEST_TIMEOUT_S)."""
+
 
 class Inference(BaseModel):
     """Where a served model answers OpenAI-compatible requests."""
@@ -134,4 +142,4 @@ def current_backend(field: str = "backend") -> Backend:
     return backend
 
 
-__all__ = ["Backend", "Inference", "current_backend"]
+__all__ = ["CLIENT_TIMEOUT_S", "REQUEST_TIMEOUT_S", "Backend", "Inference", "current_backend"]

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from .backend import REQUEST_TIMEOUT_S
 from .capture import CapturedCall, Captures
 from .chat_families import ChatFamily
 from .chat_format import ChatFormat, SampledTurns
@@ -163,7 +164,7 @@ class Endpoint:
         model_name: str,
         default_max_tokens: int = 1024,
         max_context: int | None = None,
-        request_timeout_s: float = 900.0,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         self.engine = engine
         self.chat_format = chat_format

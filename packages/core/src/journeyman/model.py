@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from pydantic import PrivateAttr
 
-from .backend import Backend, Inference, set_current_backend
+from .backend import CLIENT_TIMEOUT_S, Backend, Inference, set_current_backend
 from .capture import CapturedCall, add_capture_header, capture_scope
 from .config import ModelConfig, SFTConfig, TrainConfig, TrainResult
 from .errors import InvalidFieldError, JourneymanError
@@ -68,7 +68,8 @@ class TrainableModel(ModelConfig):
         from openai import AsyncOpenAI
 
         where = self.inference()
-        http = httpx.AsyncClient(event_hooks={"request": [add_capture_header]}, timeout=httpx.Timeout(600.0))
+        timeout = httpx.Timeout(CLIENT_TIMEOUT_S)  # past the endpoint's own limit: its 504 names the cause
+        http = httpx.AsyncClient(event_hooks={"request": [add_capture_header]}, timeout=timeout)
         return AsyncOpenAI(base_url=where.base_url, api_key=where.api_key, http_client=http, **kwargs)
 
     async def get_step(self) -> int:

@@ -7,13 +7,14 @@ from typing import Any
 
 import httpx
 from journeyman import InvalidFieldError, TrainableModel
+from journeyman.backend import CLIENT_TIMEOUT_S
 from langchain_openai import ChatOpenAI
 from pydantic import SecretStr
 
 from ._capture import async_hook, current_episode, sync_hook
 from ._decorators import trainable
 
-_TIMEOUT = httpx.Timeout(600.0)
+_TIMEOUT = httpx.Timeout(CLIENT_TIMEOUT_S)
 _clients: dict[str, tuple[httpx.Client, httpx.AsyncClient]] = {}
 _clients_lock = threading.Lock()
 
