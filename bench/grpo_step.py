@@ -24,7 +24,9 @@ from journeyman.weights import DEFAULT_BASE_MODEL, resolve_base_model
 PROMPTS, GROUP, MAX_TOKENS, LR = 8, 4, 40, 2e-4
 
 
-async def journeyman_steps(steps: int, root: Path, bf16: bool) -> tuple[list[float], list[float]]:
+async def journeyman_steps(
+    steps: int, root: Path, bf16: bool, train_seconds: list[float]
+) -> tuple[list[float], list[float]]:
     backend = jm.LocalBackend(path=root)
     model = jm.TrainableModel(name="bench", project="bench")
     await model.register(backend)
@@ -45,10 +47,17 @@ async def journeyman_steps(steps: int, root: Path, bf16: bool) -> tuple[list[flo
         t1 = time.perf_counter()
         result = await model.train(groups, config=jm.TrainConfig(learning_rate=LR, autocast_bf16=bf16))
         seconds.append(time.perf_counter() - t0)
+        train_seconds.append(time.perf_counter() - t1)
         rewards.append(result.metrics["reward"])
+        m = result.metrics
+        # token positions the model ran (padding included) against the rows' own lengths: what
+        # padding costs and what running shared prompt prefixes once saves
+        forward, padded = m.get("forward_tokens", float("nan")), m.get("padded_tokens", 0.0)
         print(
-            f"journeyman step {step}: {seconds[-1]:.1f}s (rollout {t1 - t0:.1f}s, train {time.perf_counter() - t1:.1f}s) "
-            f"reward {rewards[-1]:.3f} engine/trainer gap {result.metrics.get('engine_trainer_logprob_gap', float('nan')):.2e}",
+            f"journeyman step {step}: {seconds[-1]:.1f}s (rollout {t1 - t0:.1f}s, train {train_seconds[-1]:.1f}s) "
+            f"reward {rewards[-1]:.3f} engine/trainer gap {m.get('engine_trainer_logprob_gap', float('nan')):.2e} "
+            f"model tokens {forward:.0f} (rows {m.get('row_tokens', float('nan')):.0f}, "
+            f"trained {m.get('trained_tokens', 0.0):.0f}, padding {padded / forward:.1%})",
             flush=True,
         )
     backend.close()
@@ -146,9 +155,16 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="jm-bench-"))
     rows = {}
-    rows["journeyman fp32"] = asyncio.run(journeyman_steps(args.steps, root / "jm", bf16=False))
+    train: dict[str, list[float]] = {"journeyman fp32": [], "journeyman bf16-autocast": []}
+    rows["journeyman fp32"] = asyncio.run(
+        journeyman_steps(args.steps, root / "jm", bf16=False, train_seconds=train["journeyman fp32"])
+    )
     if args.bf16:
-        rows["journeyman bf16-autocast"] = asyncio.run(journeyman_steps(args.steps, root / "jm16", bf16=True))
+        rows["journeyman bf16-autocast"] = asyncio.run(
+            journeyman_steps(
+                args.steps, root / "jm16", bf16=True, train_seconds=train["journeyman bf16-autocast"]
+            )
+        )
     if not args.skip_trl:
         rows["trl GRPOTrainer fp32"] = trl_steps(args.steps, root)
     print(f"\n{'':26} {'first step s':>12} {'median s/step':>14} {'reward gain/step':>17}")
@@ -156,6 +172,9 @@ def main() -> None:
     for name, (secs, rewards) in rows.items():
         medians[name] = statistics.median(secs[1:] or secs)
         print(f"{name:26} {secs[0]:12.1f} {medians[name]:14.1f} {gain_per_step(rewards):17.3f}")
+    for name, secs in train.items():
+        if secs:
+            print(f"{name}: train phase median {statistics.median(secs[1:] or secs):.2f} s/step")
     if "trl GRPOTrainer fp32" in medians:
         for name in medians:
             if name.startswith("journeyman"):

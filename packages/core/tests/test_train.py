@@ -317,3 +317,75 @@ def test_a_shared_prefix_runs_once_with_the_same_logprobs_and_gradients(served) 
     num = sum(float((a - b).norm() ** 2) for a, b in zip(g_full, g_once, strict=True)) ** 0.5
     den = sum(float(a.norm() ** 2) for a in g_full) ** 0.5
     assert den > 0 and num / den < 1e-3
+
+
+def test_packed_rows_give_the_logprobs_and_gradients_of_padded_rows(served) -> None:
+    """Rows of different lengths packed into sequences (no padding, each shared prefix once per
+    sequence, trained turns that rows share included) give every row's logprobs and the LoRA
+    gradients that the same rows right-padded and run in full give, to fp32 rounding."""
+    from journeyman.tokenize import Row
+    from journeyman.train import pack_rows, packed_logprobs, pad_rows, trained_logprobs
+
+    model, backend = served
+    policy = backend.service(model).policy
+    tok = policy.tokenizer
+    system = tok.encode("You are an agent with tools. " * 6)
+
+    def row(prompt: str, *turns: str, advantage: float, system: list[int] = system) -> Row:
+        r = Row(advantage=advantage)
+        r.extend(system + tok.encode(prompt), trained=False)
+        for i, turn in enumerate(turns):  # assistant turns trained, tool results between them not
+            ids = tok.encode(turn)
+            r.extend(ids, trained=i % 2 == 0, logprobs=[-1.0] * len(ids) if i % 2 == 0 else None)
+        return r
+
+    rows = [
+        row(" Add milk.", "Added milk.", advantage=1.0),
+        row(" Add milk.", "Milk is on the list now, next to the eggs and the bread.", advantage=-1.0),
+        row(" Add milk.", "Added milk.", advantage=0.5),  # the same sample twice: no token of its own
+        row(" Remove rent.", "Done.", " Tool said: ok.", " Rent is gone.", advantage=1.0),
+        row(
+            " Remove rent.", "Done.", " Tool said: ok.", " Anything else?", advantage=-0.5
+        ),  # shares a trained turn
+        row("Name a color.", " Blue.", advantage=-1.0, system=[]),  # nothing in common with the others
+    ]
+    total, budget = sum(len(r.input_ids) for r in rows), max(len(r.input_ids) for r in rows) + 8
+    packs = pack_rows(rows, budget)
+    assert len(packs) >= 2 and sorted(id(r) for p in packs for r in p.rows) == sorted(map(id, rows))
+    assert all(p.length <= budget for p in packs)
+    assert sum(p.length for p in packs) < total - len(system)  # shared prefixes once per sequence
+
+    # per-token weights fixed per row, so a logprob landing on another row or token changes the sum
+    weights = {id(r): torch.linspace(-1, 1, sum(r.trained[1:])) * (i + 1) for i, r in enumerate(rows)}
+    params = policy.trainable_parameters()
+    with policy.editing():  # unmerged: the shared model may be merged from sampling
+        saved = [p.detach().clone() for p in params]
+        with torch.no_grad():  # lora_B starts at 0, which leaves lora_A without gradient
+            for p in params:
+                p.add_(torch.randn_like(p) * 0.02)
+        try:
+            ids, attn, trained, _ = pad_rows(rows)
+            rows_idx, pos_idx = trained[:, 1:].nonzero(as_tuple=True)
+            targets = ids[:, 1:][rows_idx, pos_idx]
+            logp = trained_logprobs(policy.model, ids, attn, rows_idx, pos_idx, targets)
+            padded = dict(zip(map(id, rows), logp.split([sum(r.trained[1:]) for r in rows]), strict=True))
+            packed: dict[int, torch.Tensor] = {}
+            for p in packs:
+                rows_idx, pos_idx = pad_rows(p.rows)[2][:, 1:].nonzero(as_tuple=True)
+                logp = packed_logprobs(policy.model, p.inputs(policy.device), rows_idx, pos_idx)
+                packed |= zip(map(id, p.rows), logp.split([sum(r.trained[1:]) for r in p.rows]), strict=True)
+            grads = [
+                torch.autograd.grad(sum((weights[k] * lp).sum() for k, lp in logps.items()), params)
+                for logps in (padded, packed)
+            ]
+        finally:
+            with torch.no_grad():
+                for p, s in zip(params, saved, strict=True):
+                    p.copy_(s)
+    # fp32 rounding only: the two paths sum in different orders (matmuls of other shapes)
+    gap = max(float((padded[k] - packed[k]).detach().abs().max()) for k in padded)
+    assert gap < 3e-5, gap
+    num = sum(float((a - b).norm() ** 2) for a, b in zip(*grads, strict=True)) ** 0.5
+    den = sum(float(a.norm() ** 2) for a in grads[0]) ** 0.5
+    assert den > 0 and num / den < 1e-5, num / den
+    assert all(float(g.norm()) > 0 for g in grads[0])  # lora_A and lora_B of every layer

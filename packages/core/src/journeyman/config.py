@@ -106,7 +106,7 @@ class TrainConfig(BaseModel):
     micro_batch_tokens: int = Field(
         default=1024,
         ge=64,
-        description="padded tokens per forward/backward; gradients accumulate across micro-batches (135M fp32: peak 4.2 GB at 1024, 5.9 GB at 4096, same speed on CPU)",
+        description="tokens per forward/backward, one packed sequence (a longer row runs alone); gradients accumulate across micro-batches (135M fp32: peak 4.2 GB at 1024, 5.9 GB at 4096, same speed on CPU)",
     )
     max_seq_len: int = Field(
         default=4096, ge=16, description="rows longer than this are cut (counted in metrics)"
@@ -158,8 +158,8 @@ class SFTConfig(OwnErrorsModel):
     max_seq_len: int = Field(default=4096, description="rows longer than this are cut (counted in metrics)")
     packing: bool = Field(
         default=True,
-        description="concatenate rows into one sequence per micro-batch, each attending only to itself; "
-        "rows that share a long prompt prefix are batched with the prefix run once instead",
+        description="concatenate rows into one sequence per micro-batch, each attending only to itself, a "
+        "prompt prefix rows share written once (train.pack_rows); off: padded batches",
     )
     seed: int = Field(default=0, description="seed of each epoch's shuffle of the trajectories")
     autocast_bf16: bool = Field(

@@ -6,14 +6,12 @@ shuffled optimizer batches of `batch_size` trajectories -> micro-batches -> mask
 -> AdamW, learning rate warmed up then decayed over the call. One call is one step of the run (one
 checkpoint, one history row), as a GRPO step is, so RL continues from the adapter it leaves.
 
-A micro-batch never lets one row attend to another:
-- rows that share a prompt prefix (agent rows: system prompt and tool definitions, ~570 of ~700
-  tokens on an MCP server) are padded into a batch and the prefix runs once for all of them
-  (`train.trained_logprobs`, as in GRPO): that saves more than packing could;
-- other rows are packed: concatenated into one sequence whose position ids restart at each row.
-  Given no 2-D attention mask, transformers reads the restarts as separate sequences and builds a
-  block-diagonal causal mask from them (`masking_utils.find_packed_sequence_indices`), so a packed
-  row's logprobs are those of the row alone (test_sft.py), with no padding computed.
+A micro-batch never lets one row attend to another. With `packing` (the default) it is one packed
+sequence, as in GRPO (`train.pack_rows`): rows end to end with no padding, a prompt prefix that
+rows share (agent rows: system prompt and tool definitions) run once, and a mask that keeps each
+row to its own tokens, so a packed row's logprobs are those of the row alone (test_sft.py).
+Without, rows are right-padded into length-sorted batches (`train.pad_rows`), a prefix common to
+the whole batch run once.
 
 The optimizer is AdamW of its own, fresh for each call (its warmup and decay belong to the call);
 the checkpoint keeps the GRPO optimizer's state as it was, so RL's moments never see SFT gradients.
@@ -26,18 +24,19 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from .adapter import LoraPolicy
 from .chat_format import ChatFormat
 from .config import SFTConfig
-from .loss import token_logprobs
 from .tokenize import Row, trajectory_rows
 from .train import (
+    Pack,
     _return_freed_memory,
     micro_batches,
+    pack_rows,
+    packed_logprobs,
     pad_rows,
     shared_prefix_length,
     trained_logprobs,
@@ -98,22 +97,6 @@ def sft_rows(
     }
 
 
-def pack_rows(rows: Sequence[Row], budget: int) -> list[list[Row]]:
-    """First-fit decreasing: rows into sequences of at most `budget` tokens (a longer row alone)."""
-    packs: list[list[Row]] = []
-    room: list[int] = []
-    for r in sorted(rows, key=lambda r: -len(r.input_ids)):
-        n = len(r.input_ids)
-        fit = next((i for i, left in enumerate(room) if n <= left), None)
-        if fit is None:
-            packs.append([r])
-            room.append(budget - n)
-        else:
-            packs[fit].append(r)
-            room[fit] -= n
-    return packs
-
-
 class SFTTrainer:
     """Supervised fine-tuning of one policy's adapter (the GRPO trainer's weights, its own optimizer)."""
 
@@ -121,43 +104,24 @@ class SFTTrainer:
         self.policy = policy
         self.chat_format = chat_format
 
-    def micro_batches(self, rows: list[Row], config: SFTConfig) -> list[tuple[str, list[Row]]]:
-        """("packed" | "padded", rows) per forward pass; see the module docstring for the choice."""
-        shared = shared_prefix_length(rows)
-        if config.packing and not shared:
-            return [("packed", p) for p in pack_rows(rows, config.micro_batch_tokens)]
-        return [("padded", b) for b in micro_batches(rows, config.micro_batch_tokens, shared)]
+    def micro_batches(self, rows: list[Row], config: SFTConfig) -> list[Pack] | list[list[Row]]:
+        """One packed sequence, or one padded batch of rows, per forward pass (`config.packing`)."""
+        if config.packing:
+            return pack_rows(rows, config.micro_batch_tokens)
+        return list(micro_batches(rows, config.micro_batch_tokens, shared_prefix_length(rows)))
 
-    def logprobs(self, kind: str, batch: list[Row]) -> torch.Tensor:
+    def logprobs(self, batch: Pack | list[Row]) -> torch.Tensor:
         """log π_θ of every trained token of `batch` (bar each row's first), with grad; (n,)."""
         device = self.policy.device
-        if kind == "padded":
-            ids, attn, trained, _ = pad_rows(batch)
-            ids, attn, trained = ids.to(device), attn.to(device), trained.to(device)
-            rows_idx, pos_idx = trained[:, 1:].nonzero(as_tuple=True)  # token t is predicted at t - 1
-            targets = ids[:, 1:][rows_idx, pos_idx]
-            shared = shared_prefix_length(batch)
-            return trained_logprobs(self.policy.model, ids, attn, rows_idx, pos_idx, targets, shared)
-        ids = torch.tensor([[t for r in batch for t in r.input_ids]], device=device)  # (1, L)
-        # positions restart at each row: the rows are separate sequences to the attention mask
-        positions = torch.cat([torch.arange(len(r.input_ids)) for r in batch])[None].to(device)
-        starts = [0]
-        for r in batch:
-            starts.append(starts[-1] + len(r.input_ids))
-        # a trained token at offset o of a row is predicted at o - 1 of the same row (never o = 0)
-        pos = torch.tensor(
-            [
-                s + o - 1
-                for r, s in zip(batch, starts, strict=False)
-                for o in range(1, len(r.input_ids))
-                if r.trained[o]
-            ],
-            device=device,
-        )
-        causal_lm: Any = self.policy.model.get_base_model()
-        # no attention mask and no cache: transformers then masks by the position-id restarts
-        hidden = causal_lm.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-        return token_logprobs(causal_lm.lm_head(hidden[0, pos]), ids[0, pos + 1])
+        rows = batch.rows if isinstance(batch, Pack) else batch
+        ids, attn, trained, _ = pad_rows(rows)
+        rows_idx, pos_idx = trained[:, 1:].to(device).nonzero(as_tuple=True)  # token t is predicted at t - 1
+        if isinstance(batch, Pack):
+            return packed_logprobs(self.policy.model, batch.inputs(device), rows_idx, pos_idx)
+        ids, attn = ids.to(device), attn.to(device)
+        targets = ids[:, 1:][rows_idx, pos_idx]
+        shared = shared_prefix_length(batch)
+        return trained_logprobs(self.policy.model, ids, attn, rows_idx, pos_idx, targets, shared)
 
     def loss(self, rows: list[Row], config: SFTConfig, *, backward: bool = False) -> tuple[float, int, int]:
         """The optimizer batch's mean cross-entropy over its trained tokens (gradients accumulated
@@ -170,13 +134,13 @@ class SFTTrainer:
         )
         total, padded = 0.0, 0
         batches = self.micro_batches(rows, config)
-        for kind, batch in batches:
+        for batch in batches:
             with autocast:
-                loss = sft_loss(self.logprobs(kind, batch), num_tokens)
+                loss = sft_loss(self.logprobs(batch), num_tokens)
             if backward:
                 loss.backward()
             total += float(loss.detach())
-            if kind == "padded":
+            if not isinstance(batch, Pack):
                 padded += max(len(r.input_ids) for r in batch) * len(batch) - sum(
                     len(r.input_ids) for r in batch
                 )
@@ -254,4 +218,4 @@ class SFTTrainer:
         }
 
 
-__all__ = ["SFTTrainer", "lr_factor", "pack_rows", "sft_loss", "sft_rows"]
+__all__ = ["SFTTrainer", "lr_factor", "sft_loss", "sft_rows"]

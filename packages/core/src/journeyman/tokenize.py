@@ -6,7 +6,7 @@ into histories: the endpoint splices sampled turns, so a multi-turn tool run is 
 that does not extend it starts a new row: with a template that rewrites history (Qwen3 drops earlier
 reasoning, Mistral moves the tool list) that is every call whose prompt the rewrite changed, each
 trained on exactly the ids it was sampled from. Such rows share their prompt's start (system, tools,
-first turns), which the trainer runs once per micro-batch (`MIN_SHARED_PREFIX`); what they cost is
+first turns), which the trainer runs once per micro-batch (`train.pack_rows`); what they cost is
 the rest of each prompt run again. Additional histories are rows of their own. Histories
 with no token records (e.g. imported traces) are rendered with the chat template, their assistant
 turns trained as re-tokenised text (flagged, old logprobs unknown).

@@ -1,12 +1,29 @@
 """One GRPO-family update of the LoRA adapter on a list of trajectory groups.
 
-tokenize (exact sampled ids) -> group advantages -> length-sorted micro-batches -> loss -> AdamW.
+tokenize (exact sampled ids) -> group advantages -> packed micro-batches -> loss -> AdamW.
 The LM head runs only on trained positions: prompt tokens need hidden states, not logits.
 
-Agent rows share a long untrained prefix (system prompt and tool definitions: ~570 of ~700 tokens
-on an MCP server). Each micro-batch runs that prefix once, at batch 1, and its keys and values are
-expanded to every row; autograd sums the rows' gradients through the expansion, so the update is
-the one a full forward of every row would give, for a fraction of the tokens.
+A micro-batch is one packed sequence (`pack_rows`): rows sorted by their token ids and laid end to
+end, each after the longest prefix it shares with the row before it, which is already in the
+sequence. A 4-D attention mask lets every token see the tokens of its own row up to itself, whether
+its row put them there or an earlier row did, so a row's hidden states, logprobs and gradients are
+those of the row run alone (test_train.py), with no padding and each shared prompt prefix run once
+per micro-batch: the step-wide system prompt and tool definitions of agent rows (~570 of ~700
+tokens on an MCP server), and also the prompt the rows of one group share. The padded path
+(`pad_rows`, `trained_logprobs`: a prefix common to every row of a batch run once and its keys and
+values expanded to the batch) is kept as the reference, and for SFT with packing off.
+
+Why one mask over a packed sequence rather than padded batches with a prefix in a KV cache, counted
+on the rows of two `bench/grpo_step.py` steps (8 groups x 4 rows of 35-67 tokens; a group's rows
+share their ~26-token prompt, all rows only 14, under `MIN_SHARED_PREFIX`): padded, the model ran
+2048 and 1569 token positions (7.7% and 12.3% padding); packed, 1132 and 777, 0.55x and 0.50x,
+since besides the group prompts, samples that begin alike (or are alike) share those tokens too.
+Bucketing by group with each group's prompt in a KV cache would still pad and run each sample's
+own tokens in full (~1400 positions). The price is attention over the whole packed sequence, masked
+but dense: per layer ~4·L·d FLOPs a token against ~7 MFLOPs in the linear layers of SmolLM2-135M
+(d=576), i.e. +30% a token at L=1024, +2% for padded rows of ~66. Net, ~0.70x the FLOPs of the
+padded step at the default 1024-token budget (~0.63x at 512), and a longer budget lets a long agent
+prefix (~570 tokens) be shared by more rows, so the budget stays the config's.
 """
 
 from __future__ import annotations
@@ -17,8 +34,9 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import DynamicCache
@@ -90,6 +108,91 @@ def micro_batches(rows: list[Row], budget: int, shared: int = 0) -> Iterator[lis
         width = w
     if batch:
         yield batch
+
+
+class PackedInputs(NamedTuple):
+    ids: torch.Tensor  # (1, L)
+    positions: torch.Tensor  # (1, L) each token's position in its row
+    mask: torch.Tensor  # (1, 1, L, L) True where a token may attend
+    places: torch.Tensor  # (B, T) where row b's token t sits in the sequence (0 past the row's end)
+
+
+@dataclass
+class Pack:
+    """Rows run as one sequence, each after the prefix it shares with the row before it (`pack_rows`)."""
+
+    rows: list[Row] = field(default_factory=list)
+    # per row, the place in the sequence of each of its tokens: a shared prefix's places are the
+    # places the row before it gave that prefix
+    places: list[list[int]] = field(default_factory=list)
+    length: int = 0
+
+    def add(self, row: Row, shared: int) -> None:
+        """Append `row`, of which the first `shared` tokens are those of the last row added."""
+        n = len(row.input_ids)
+        prefix = self.places[-1][:shared] if shared else []
+        self.places.append(prefix + list(range(self.length, self.length + n - shared)))
+        self.rows.append(row)
+        self.length += n - shared
+
+    def inputs(self, device: torch.device) -> PackedInputs:
+        """The sequence as model inputs; the mask lets a token see the tokens of its row up to
+        itself, no other row's, so a row packed here gives the logprobs it gives alone."""
+        ids = torch.zeros(self.length, dtype=torch.long)
+        positions = torch.zeros(self.length, dtype=torch.long)
+        mask = torch.zeros((self.length, self.length), dtype=torch.bool)
+        places = torch.zeros((len(self.rows), max(len(p) for p in self.places)), dtype=torch.long)
+        for b, (row, where) in enumerate(zip(self.rows, self.places, strict=True)):
+            at = torch.tensor(where)
+            ids[at] = torch.tensor(row.input_ids)
+            positions[at] = torch.arange(len(where))
+            # a shared token gets the same mask row from every row that holds it: the shared prefix
+            mask[at[:, None], at] = torch.ones((len(where), len(where)), dtype=torch.bool).tril()
+            places[b, : len(where)] = at
+        return PackedInputs(
+            ids[None].to(device), positions[None].to(device), mask[None, None].to(device), places.to(device)
+        )
+
+
+def pack_rows(rows: Sequence[Row], budget: int) -> list[Pack]:
+    """Rows into sequences of at most `budget` tokens (a longer row alone), each row after the
+    longest prefix it shares with the row before it in its sequence.
+
+    Sorted by token ids, a row's longest common prefix with any earlier row is the one with the row
+    just before it, so filling sequences in that order puts every shared prefix in once per
+    sequence; rows of one group (one prompt) sit side by side."""
+    packs: list[Pack] = []
+    for row in sorted(rows, key=lambda r: r.input_ids):
+        n = len(row.input_ids)
+        last = packs[-1] if packs else None
+        shared = common_prefix_length([last.rows[-1].input_ids, row.input_ids], n) if last else 0
+        if last is None or last.length + n - shared > budget:
+            last, shared = Pack(), 0
+            packs.append(last)
+        last.add(row, shared)
+    return packs
+
+
+def packed_logprobs(
+    policy_model: Any, inputs: PackedInputs, rows: torch.Tensor, pos: torch.Tensor
+) -> torch.Tensor:
+    """log π(target) at the trained positions of a packed sequence only, as `trained_logprobs` gives
+    them for the same rows padded: (rows, pos) index the (B, T-1) target grid of `Pack.rows`.
+
+    transformers uses a 4-D mask as given: SDPA takes it as a boolean (True = attend), the other
+    attention implementations (eager) add it to the scores."""
+    causal_lm: Any = policy_model.get_base_model()
+    mask = inputs.mask
+    if causal_lm.config._attn_implementation != "sdpa":
+        mask = torch.zeros(mask.shape, dtype=causal_lm.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(causal_lm.dtype).min
+        )
+    hidden = causal_lm.model(
+        input_ids=inputs.ids, position_ids=inputs.positions, attention_mask=mask, use_cache=False
+    ).last_hidden_state  # (1, L, H)
+    # the hidden state at position p of a row predicts its token p + 1, the target at pos = p
+    at, targets = inputs.places[rows, pos], inputs.ids[0, inputs.places[rows, pos + 1]]
+    return token_logprobs(causal_lm.lm_head(hidden[0, at]), targets)
 
 
 def pad_rows(batch: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -219,20 +322,21 @@ class GRPOTrainer:
             model.train()
             opt.zero_grad(set_to_none=True)
             totals: dict[str, float] = {}
-            padded = 0
-            batches = list(micro_batches(rows, config.micro_batch_tokens, shared_prefix_length(rows)))
+            batches = pack_rows(rows, config.micro_batch_tokens)
+            # tokens the model runs, against the rows' own lengths: what running shared prefixes once saves
+            metrics["forward_tokens"] = float(sum(b.length for b in batches))
+            metrics["row_tokens"] = float(sum(len(r.input_ids) for r in rows))
             if collective is not None:
-                sizes = [sum(len(r.input_ids) for r in b) for b in batches]
+                sizes = [b.length for b in batches]
                 batches = [batches[i] for i in balanced_share(sizes, collective.rank, collective.world)]
             for i, batch in enumerate(batches):
-                out, n_pad = self._micro_step(batch, num_tokens, config)
+                out = self._micro_step(batch, num_tokens, config)
                 if on_progress is not None:
                     on_progress(i + 1, len(batches))
-                padded += n_pad
                 for k, v in out.items():
                     totals[k] = totals.get(k, 0.0) + v
             if collective is not None:
-                totals, padded = self._sum_over_ranks(collective, totals, padded)
+                totals = self._sum_over_ranks(collective, totals)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.policy.trainable_parameters(), config.max_grad_norm
             )
@@ -246,49 +350,42 @@ class GRPOTrainer:
             model.eval()
         metrics.update(totals)
         metrics["grad_norm"] = float(grad_norm)
-        metrics["padded_tokens"] = float(padded)
         metrics["train_seconds"] = time.perf_counter() - t0
         _return_freed_memory()
         return True, metrics
 
-    def _sum_over_ranks(
-        self, collective: Collective, totals: dict[str, float], padded: int
-    ) -> tuple[dict[str, float], int]:
+    def _sum_over_ranks(self, collective: Collective, totals: dict[str, float]) -> dict[str, float]:
         """Gradients and metric sums of every rank, summed (a rank with no micro-batch adds zeros)."""
         params = self.policy.trainable_parameters()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         keys = sorted(METRIC_KEYS | totals.keys())
-        sums = torch.tensor([totals.get(k, 0.0) for k in keys] + [float(padded)], dtype=torch.float64)
+        sums = torch.tensor([totals.get(k, 0.0) for k in keys], dtype=torch.float64)
         collective.all_reduce([p.grad for p in params if p.grad is not None])
         collective.all_reduce([sums])
-        return dict(zip(keys, sums[:-1].tolist(), strict=True)), int(sums[-1])
+        return dict(zip(keys, sums.tolist(), strict=True))
 
-    def _micro_step(
-        self, batch: list[Row], num_tokens: int, config: TrainConfig
-    ) -> tuple[dict[str, float], int]:
+    def _micro_step(self, pack: Pack, num_tokens: int, config: TrainConfig) -> dict[str, float]:
         device = self.policy.device
-        ids, attn, trained, rollout = pad_rows(batch)
-        ids, attn, trained, rollout = ids.to(device), attn.to(device), trained.to(device), rollout.to(device)
+        inputs = pack.inputs(device)
+        # the loss's (B, T) grid of the pack's rows: bookkeeping, no token of it runs through the model
+        _, _, trained, rollout = pad_rows(pack.rows)
+        trained, rollout = trained.to(device), rollout.to(device)
         # Token t is predicted from position t-1: shift, then keep trained targets only.
         target_mask = trained[:, 1:]  # (B, T-1)
         rows_idx, pos_idx = target_mask.nonzero(as_tuple=True)
-        targets = ids[:, 1:][rows_idx, pos_idx]  # (N,)
         autocast = (
             torch.autocast(device.type, dtype=torch.bfloat16)
             if config.autocast_bf16
             else contextlib.nullcontext()
         )
-        shared = shared_prefix_length(batch)
         with autocast:
-            logp_flat = trained_logprobs(self.policy.model, ids, attn, rows_idx, pos_idx, targets, shared)
+            logp_flat = packed_logprobs(self.policy.model, inputs, rows_idx, pos_idx)
             ref_flat = None
             if config.kl_coef > 0:
                 with torch.no_grad(), self.policy.base_only():
-                    ref_flat = trained_logprobs(
-                        self.policy.model, ids, attn, rows_idx, pos_idx, targets, shared
-                    )
+                    ref_flat = packed_logprobs(self.policy.model, inputs, rows_idx, pos_idx)
         # Back to (B, T-1) for the loss, which normalises per token.
         shape = target_mask.shape
         logp = torch.zeros(shape, device=device).index_put((rows_idx, pos_idx), logp_flat)
@@ -303,7 +400,7 @@ class GRPOTrainer:
         ref = None
         if ref_flat is not None:
             ref = torch.zeros(shape, device=device).index_put((rows_idx, pos_idx), ref_flat.float())
-        advantages = torch.tensor([r.advantage for r in batch], device=device, dtype=torch.float32)
+        advantages = torch.tensor([r.advantage for r in pack.rows], device=device, dtype=torch.float32)
         mask = target_mask.float()
         loss, metrics = policy_loss(
             logp,
@@ -322,4 +419,4 @@ class GRPOTrainer:
         with torch.no_grad():
             gap = ((logp.detach() - rollout_lp).abs() * mask).sum() / max(num_tokens, 1)
         metrics["engine_trainer_logprob_gap"] = float(gap)
-        return metrics, int(ids.numel() - int(attn.sum()))
+        return metrics
