@@ -25,11 +25,9 @@ import time
 from pathlib import Path
 
 import journeyman as jm
-import torch
-from journeyman.engine import vllm_env
+from _task import group_pids, nonzero_adapter, vllm_model  # bench/ is on sys.path when a bench runs
 from journeyman.engine.torch_engine import TorchEngine
 from journeyman.engine.vllm_engine import VLLMEngine
-from journeyman.engine.vllm_server import VLLMConfig
 
 TOOLS = [
     {
@@ -92,20 +90,6 @@ async def rounds(
     return tokens, time.perf_counter() - t0
 
 
-def nonzero_adapter(backend: jm.LocalBackend, model: jm.TrainableModel) -> Path:
-    """Give the LoRA B matrices small random values (fresh LoRA is a no-op) and save it in PEFT format."""
-    policy = backend.service(model).policy
-    gen = torch.Generator().manual_seed(0)
-    with policy.editing(), torch.no_grad():
-        for name, p in policy.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 1e-3)
-        policy.version += 1
-    path = Path(tempfile.mkdtemp(prefix="jm-bench-adapter-"))
-    policy.save(path)
-    return path
-
-
 def rss_gib(pids: list[int]) -> float:
     total = 0
     for pid in pids:
@@ -115,19 +99,6 @@ def rss_gib(pids: list[int]) -> float:
         except (OSError, StopIteration):
             continue
     return total / 2**20
-
-
-def group_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().split(")")[-1].split()[2]) == pgid:
-                        pids.append(int(entry))
-            except OSError:
-                continue
-    return pids
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -145,18 +116,10 @@ async def main(args: argparse.Namespace) -> None:
     vllm_backend: jm.LocalBackend | None = None
     engine: VLLMEngine | None = None
     if not args.no_vllm:
-        python = args.vllm_python or str(vllm_env.provision())
-        t0 = time.perf_counter()
-        vllm_backend = jm.LocalBackend(path=root / "vllm", engine=VLLMConfig(python=python))
-        vllm_model = jm.TrainableModel(name="bench-vllm", project="bench")
-        await vllm_model.register(vllm_backend)
-        vllm_engine = vllm_backend.service(vllm_model).engine
-        assert isinstance(vllm_engine, VLLMEngine)
-        engine = vllm_engine
-        register_s = time.perf_counter() - t0
-        adapter = nonzero_adapter(vllm_backend, vllm_model)
-        await engine.load_adapter(adapter, 1)
-        arms.append(("vllm+lora", vllm_model))
+        vllm_backend, vllm, engine, register_s = await vllm_model(
+            root / "vllm", "bench-vllm", args.vllm_python
+        )
+        arms.append(("vllm+lora", vllm))
         print(
             f"vLLM: server ready in {engine.server.startup_seconds:.1f} s (register {register_s:.1f} s); "
             f"adapter hot-load {engine.adapter_load_seconds[-1]:.3f} s; serving {engine.served_model}"
