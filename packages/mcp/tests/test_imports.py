@@ -9,8 +9,10 @@ def test_public_names() -> None:
     assert sorted(journeyman_mcp.__all__) == [
         "COMPLETE_TASK",
         "Check",
+        "DIFFICULTY",
         "EvalSummary",
         "McpRlSettings",
+        "Player",
         "RUBRIC",
         "RolloutConfig",
         "Scenario",
@@ -21,12 +23,14 @@ def test_public_names() -> None:
         "SessionPool",
         "ToolCallSpec",
         "TrainReport",
+        "WinRate",
         "evaluate",
         "generate_scenarios",
         "rollout",
         "schema_scenarios",
         "score_group",
         "train",
+        "win_rate",
     ]
     for name in journeyman_mcp.__all__:
         assert getattr(journeyman_mcp, name) is not None

@@ -24,8 +24,13 @@ ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
 TIME_SERVER = [str(BIN / "mcp-server-time"), "--local-timezone", "UTC"]
 TODO_SERVER = [sys.executable, str(ROOT / "examples" / "mcp_todo_server.py")]
-# Small everything: a few steps must fit in a test on 2 shared cores.
+# Small everything: a few steps must fit in a test on 2 shared cores. No sampled evaluation and no
+# baseline comparison here (test_win_rate.py covers those against a rule judge).
 FAST = [
+    "--eval-samples",
+    "0",
+    "--against",
+    "none",
     "--max-tokens",
     "40",
     "--max-turns",
@@ -305,10 +310,10 @@ async def test_the_local_model_generates_scenarios_under_the_schema(served: tupl
     got, report = await generate_scenarios(
         info,
         4,
-        generator=f"local:{model.name}",
+        generator=f"local:{model.name}",  # type: ignore[attr-defined]
         batch_size=2,
         max_tokens=120,
-        seed=3,  # type: ignore[attr-defined]
+        seed=3,
     )
     assert len(got) == 4 and report.generator_error is None
     assert report.from_generator + report.from_schema == 4
@@ -405,6 +410,7 @@ def test_train_end_to_end_on_mcp_server_time_stdio_with_ruler(tmp_path: Path) ->
     report = json.loads((tmp_path / "mcp-rl" / "models" / "mcp-agent" / "mcp_rl_report.json").read_text())
     latest = max([0] + [s["new_step"] for s in report["steps"] if not s.get("skipped")])
     common = ["eval", "--path", str(tmp_path), "--max-tokens", "40", "--max-turns", "2"]
+    common += ["--eval-samples", "0", "--against", "none"]
     r = _mcp_rl([*common, "--step", str(latest), "--", *TIME_SERVER], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     row = r.stdout.splitlines()[-1].split()

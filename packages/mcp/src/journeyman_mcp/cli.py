@@ -87,6 +87,31 @@ MaxArgChars = Annotated[
     ),
 ]
 Seed = Annotated[int, typer.Option(help="seed for scenario generation, split and sampling order")]
+Judge = Annotated[
+    str,
+    typer.Option(
+        help="RULER judge, for the training reward and the win rate: local (a frozen copy of the base "
+        "model), none, an OpenAI-compatible URL, or a LiteLLM id"
+    ),
+]
+JudgeModel = Annotated[str | None, typer.Option(help="model to ask when --judge is a URL")]
+Against = Annotated[
+    str,
+    typer.Option(
+        help="baseline for the held-out win rate: base (the base model, step 0), none (no comparison), "
+        "local:<name>, an OpenAI-compatible URL (with --against-model) or a LiteLLM id"
+    ),
+]
+AgainstModel = Annotated[str | None, typer.Option(help="model to ask when --against is a URL")]
+EvalSamples = Annotated[
+    int,
+    typer.Option(
+        help="sampled episodes per held-out scenario at --temperature, reported beside the greedy one (0: off)"
+    ),
+]
+Temperature = Annotated[
+    float, typer.Option(help="sampling temperature of training rollouts and sampled evaluation")
+]
 
 
 def _settings(server: list[str], **kw: Any) -> McpRlSettings:  # typer has checked each value's type
@@ -140,13 +165,11 @@ def train(
     model: ModelName = "mcp-agent",
     project: Project = "mcp-rl",
     base_model: BaseModel_ = None,
-    judge: Annotated[
-        str,
-        typer.Option(
-            help="RULER judge: local (a frozen copy of the base model), none, an OpenAI-compatible URL, or a LiteLLM id"
-        ),
-    ] = "local",
-    judge_model: Annotated[str | None, typer.Option(help="model to ask when --judge is a URL")] = None,
+    judge: Judge = "local",
+    judge_model: JudgeModel = None,
+    against: Against = "base",
+    against_model: AgainstModel = None,
+    eval_samples: EvalSamples = 1,
     generator: Generator = "local",
     generator_model: GeneratorModel = None,
     scenarios_file: ScenariosFile = None,
@@ -170,9 +193,7 @@ def train(
     max_turns: MaxTurns = 3,
     forced_turns: ForcedTurns = 1,
     max_tokens: MaxTokens = 96,
-    temperature: Annotated[
-        float, typer.Option(help="sampling temperature of training rollouts (evaluation is greedy)")
-    ] = 1.0,
+    temperature: Temperature = 1.0,
     tool_timeout: Annotated[float, typer.Option(help="seconds per tool call")] = 30.0,
     shaping: Annotated[float, typer.Option(help="reward weight of the valid-tool-call fraction")] = 0.1,
     eval_every: Annotated[
@@ -200,7 +221,8 @@ def train(
     seed: Seed = 0,
 ) -> None:
     """Generate scenarios, evaluate, (fine-tune on --sft-warmup and evaluate,) train with RULER + GRPO,
-    evaluate again; print a before/after table."""
+    evaluate again, have the judge compare the trained runs with the baseline's; print a before/after
+    table with the win rate."""
     import journeyman as jm
 
     from .train import train as run_train
@@ -212,6 +234,9 @@ def train(
         base_model=base_model,
         judge=judge,
         judge_model=judge_model,
+        against=against,
+        against_model=against_model,
+        eval_samples=eval_samples,
         generator=generator,
         generator_model=generator_model,
         scenarios_file=scenarios_file,
@@ -302,7 +327,7 @@ def scenarios(
             )
             _echo(
                 f"{rep.from_generator} from the generator, {rep.from_schema} from tool schemas, "
-                f"{rep.rejected} rejected"
+                f"{rep.rejected} rejected, {rep.checks} end-state checks ({rep.checks_rejected} dropped)"
                 + (f"; generator failed: {rep.generator_error}" if rep.generator_error else "")
             )
             tr, ev = split(items, num_eval, seed=seed)
@@ -316,7 +341,8 @@ def scenarios(
     sset.save(output)
     for split_name, items in (("train", sset.train), ("eval", sset.eval)):
         for s in items:
-            typer.echo(f"[{split_name}] d{s.difficulty} {','.join(s.tools):<20} {s.task}")
+            checks = f" [{len(s.checks)} checks]" if s.checks else ""
+            typer.echo(f"[{split_name}] d{s.difficulty} {','.join(s.tools):<20} {s.task}{checks}")
     typer.echo(f"saved to {output}")
 
 
@@ -330,6 +356,12 @@ def eval_(
     project: Project = "mcp-rl",
     base_model: BaseModel_ = None,
     scenarios_file: ScenariosFile = None,
+    judge: Judge = "local",
+    judge_model: JudgeModel = None,
+    against: Against = "base",
+    against_model: AgainstModel = None,
+    eval_samples: EvalSamples = 1,
+    temperature: Temperature = 1.0,
     max_turns: MaxTurns = 3,
     forced_turns: ForcedTurns = 1,
     max_tokens: MaxTokens = 96,
@@ -341,8 +373,9 @@ def eval_(
     backend: BackendUrl = None,
     token: Token = None,
 ) -> None:
-    """Evaluate a checkpoint of a trained run on its held-out scenarios."""
-    from .train import TrainReport, eval_step
+    """Evaluate a checkpoint of a trained run on its held-out scenarios (greedy and sampled), and its
+    win rate against a baseline (the base model by default) by the judge."""
+    from .train import eval_step
 
     settings = _settings(
         server,
@@ -350,6 +383,12 @@ def eval_(
         project=project,
         base_model=base_model,
         scenarios_file=scenarios_file,
+        judge=judge,
+        judge_model=judge_model,
+        against=against,
+        against_model=against_model,
+        eval_samples=eval_samples,
+        temperature=temperature,
         max_turns=max_turns,
         forced_turns=forced_turns,
         max_tokens=max_tokens,
@@ -361,8 +400,8 @@ def eval_(
         backend=backend,
         token=token,
     )
-    summary = _run(eval_step, settings, step, _echo)
-    typer.echo(TrainReport(run_dir=path, scenarios_file=path, evals=[summary], steps=[]).table())
+    report = _run(eval_step, settings, step, _echo)
+    typer.echo(report.table())
 
 
 if __name__ == "__main__":

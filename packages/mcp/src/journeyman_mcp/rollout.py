@@ -8,6 +8,9 @@ goes away fails the rollout.
 The embedded 135M model almost never calls a tool on its own, so the first `forced_turns` turns use
 `tool_choice="required"` (the endpoint then decodes exactly one well-formed call of a listed tool);
 later turns are free.
+
+Success is the scenario's end-state checks when it has them (run on the same session after the
+episode), else the proxy "every tool the task names was called without error".
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from journeyman.messages import message_of_choice
 from openai import AsyncOpenAI, BadRequestError
 from pydantic import BaseModel, Field
 
-from .scenarios import Scenario
+from .scenarios import Check, Scenario
 from .server import Connection, ServerInfo
 
 COMPLETE_TASK = "complete_task"
@@ -80,9 +83,18 @@ def independent_reward(metrics: dict[str, Any], cfg: RolloutConfig) -> float:
     return cfg.check_weight * float(metrics["success"]) + cfg.shaping * valid - cfg.length_penalty * length
 
 
+async def run_checks(conn: Connection, checks: list[Check], timeout: float) -> int:
+    """How many end-state checks pass on the server as it is now (hand-written or generated alike)."""
+    passed = 0
+    for check in checks:
+        out = await conn.call(check.tool, check.arguments, timeout)
+        passed += int(not out.is_error and check.passes(out.text))
+    return passed
+
+
 async def rollout(
-    model: jm.TrainableModel,
-    client: AsyncOpenAI,
+    model: jm.ModelConfig | str,
+    client: AsyncOpenAI | Any,
     conn: Connection,
     info: ServerInfo,
     scenario: Scenario,
@@ -90,6 +102,10 @@ async def rollout(
     *,
     seed: int | None = None,
 ) -> jm.Trajectory:
+    """One episode. `model` is the policy (or just the model name to put in requests) and `client`
+    anything with `chat.completions.create` (the policy's endpoint, another OpenAI-compatible
+    server, `players.LiteLLMChat`): a baseline plays the same episodes through the same code."""
+    name = model if isinstance(model, str) else model.name
     tools = [*info.tools, COMPLETE_TOOL]
     names = set(info.tool_names())
     for call in scenario.setup:  # the harness prepares the state; the agent never sees these calls
@@ -120,7 +136,7 @@ async def rollout(
             kwargs["tool_choice"] = "required"
         try:
             completion = await client.chat.completions.create(
-                model=model.name,
+                model=name,
                 messages=messages,  # type: ignore[arg-type]
                 tools=tools,  # type: ignore[arg-type]
                 max_tokens=cfg.max_tokens,
@@ -134,7 +150,7 @@ async def rollout(
             # A tool schema the grammar compiler cannot take: let the model answer freely instead.
             traj.log(f"forced tool call refused ({e.message[:200]}); turn {turn} is free")
             completion = await client.chat.completions.create(
-                model=model.name,
+                model=name,
                 messages=messages,  # type: ignore[arg-type]
                 tools=tools,  # type: ignore[arg-type]
                 max_tokens=cfg.max_tokens,
@@ -187,12 +203,10 @@ async def rollout(
             m["completed"] = True
             break
     m["length_used"] = used / max(1, m["turns"])
-    m["target_tool_ok"] = bool(ok_tools & set(scenario.tools)) if scenario.tools else bool(ok_tools)
+    # every tool the task names, not any one of them: a multi-step task is not done by its first call
+    m["target_tool_ok"] = set(scenario.tools) <= ok_tools if scenario.tools else bool(ok_tools)
     if scenario.checks:
-        passed = 0
-        for check in scenario.checks:
-            out = await conn.call(check.tool, check.arguments, cfg.tool_timeout)
-            passed += int(not out.is_error and check.passes(out.text))
+        passed = await run_checks(conn, scenario.checks, cfg.tool_timeout)
         m["checks_passed"] = passed / len(scenario.checks)
         m["success"] = passed == len(scenario.checks)
     else:

@@ -5,7 +5,9 @@ shape); tasks that do not look like tasks are dropped, duplicates removed, and d
 built from the tool schemas fill whatever is missing, so generation always yields N valid
 scenarios. The result is split into train and eval and saved as JSON that `--scenarios-file`
 reads back, and that a user may edit by hand (add `setup` calls and `checks` for a verifiable end
-state, see `Check`).
+state, see `Check`). A real generator (a URL or a LiteLLM id) writes setup calls and checks itself;
+a check may only call a tool that reads (`CheckTools`: the server's MCP annotations, else the
+generator's word), and tasks come with difficulty levels (`DIFFICULTY`) and every tool they need.
 """
 
 from __future__ import annotations
@@ -44,11 +46,25 @@ class Check(ToolCallSpec):
         )
 
 
+DIFFICULTY = {
+    1: "one tool call, every value given in the task",
+    2: "two or more tool calls, every value given in the task",
+    3: "two or more calls, and an argument of a later call is taken from an earlier call's result",
+    4: "as 3, plus a condition on a result (do X only if the result says Y)",
+    5: "four or more calls mixing reads and writes, results feeding later calls",
+}
+"""The difficulty levels the generator is asked for (and shown), so a task set can be made harder
+than one forced call, which a greedy small model already gets right on most servers."""
+
+
 class Scenario(BaseModel):
     id: str
     task: str = Field(description="what the user asks the agent")
-    difficulty: int = Field(1, ge=1, le=5)
-    tools: list[str] = Field(default_factory=list, description="the tools the task is about (a hint)")
+    difficulty: int = Field(default=1, ge=1, le=5, description="see DIFFICULTY")
+    tools: list[str] = Field(
+        default_factory=list,
+        description="the tools the task needs; without checks, success = each was called without error",
+    )
     source: Literal["generator", "schema", "file"] = "file"
     setup: list[ToolCallSpec] = Field(default_factory=list, description="calls made before the episode")
     checks: list[Check] = Field(default_factory=list, description="end-state checks after the episode")
@@ -134,38 +150,57 @@ def example_value(name: str, schema: dict[str, Any], rng: random.Random) -> Any:
     return rng.choice(_WORDS)
 
 
+def _schema_task(tool: dict[str, Any], rng: random.Random) -> tuple[str, int]:
+    """One call of `tool` as a sentence ("Get the current time with timezone "Asia/Tokyo""), and the
+    number of arguments it names."""
+    props: dict[str, Any] = (tool.get("parameters") or {}).get("properties") or {}
+    required = set((tool.get("parameters") or {}).get("required") or [])
+    args = {
+        k: example_value(k, v if isinstance(v, dict) else {}, rng)
+        for k, v in props.items()
+        if k in required or rng.random() < 0.5
+    }
+    what = (tool.get("description") or tool["name"]).strip().splitlines()[0].rstrip(".")
+    shown = ", ".join(f"{k} {json.dumps(v, ensure_ascii=False)}" for k, v in args.items())
+    return f"{what[:1].upper()}{what[1:]}" + (f" with {shown}" if shown else ""), len(args)
+
+
 def schema_scenarios(info: ServerInfo, n: int, seed: int = 0) -> list[Scenario]:
-    """N tasks built from the tool schemas alone: one tool each, arguments filled with example values."""
+    """N tasks built from the tool schemas alone, arguments filled with example values. Every third
+    one (when the server has two tools or more) chains two different tools, so that one forced call
+    does not finish it: the proxy "each named tool called without error" needs both."""
     rng = random.Random(seed)
     out: list[Scenario] = []
-    tools = list(info.tools)
+    tools = [t["function"] for t in info.tools]
     if not tools:
         return out
     attempts = 0
     seen: set[str] = set()
     while len(out) < n and attempts < n * 20:
-        tool = tools[attempts % len(tools)]["function"]
+        first = tools[attempts % len(tools)]
         attempts += 1
-        props: dict[str, Any] = (tool.get("parameters") or {}).get("properties") or {}
-        required = set((tool.get("parameters") or {}).get("required") or [])
-        args = {
-            k: example_value(k, v if isinstance(v, dict) else {}, rng)
-            for k, v in props.items()
-            if k in required or rng.random() < 0.5
-        }
-        what = (tool.get("description") or tool["name"]).strip().splitlines()[0].rstrip(".")
-        shown = ", ".join(f"{k} {json.dumps(v, ensure_ascii=False)}" for k, v in args.items())
-        task = f"{what[:1].upper()}{what[1:]}" + (f" with {shown}" if shown else "") + ". Tell me the result."
-        key = _norm(task)
+        text, n_args = _schema_task(first, rng)
+        used = [first["name"]]
+        if len(tools) > 1 and len(out) % 3 == 2:
+            # any tool but `first` (at index attempts - 1)
+            second = tools[(attempts + rng.randrange(len(tools) - 1)) % len(tools)]
+            more, n_more = _schema_task(second, rng)
+            text = f"{text}. Then: {more[:1].lower()}{more[1:]}. Tell me both results."
+            used.append(second["name"])
+            difficulty = 2 + min(n_args + n_more, 6) // 2
+        else:
+            text += ". Tell me the result."
+            difficulty = 1 + min(n_args, 4)
+        key = _norm(text)
         if key in seen:
             continue
         seen.add(key)
         out.append(
             Scenario(
-                id=scenario_id(task),
-                task=task,
-                difficulty=1 + min(len(args), 4),
-                tools=[tool["name"]],
+                id=scenario_id(text),
+                task=text,
+                difficulty=min(difficulty, 5),
+                tools=used,
                 source="schema",
             )
         )
@@ -175,27 +210,86 @@ def schema_scenarios(info: ServerInfo, n: int, seed: int = 0) -> list[Scenario]:
 # -- generator model ----------------------------------------------------------------------------------
 
 
-def generation_schema(tool_names: list[str], n: int) -> dict[str, Any]:
-    """Bounded on purpose: a small model under constrained decoding otherwise writes forever."""
-    item = {
-        "type": "object",
-        "properties": {
-            "task": {"type": "string", "minLength": 15, "maxLength": 160},
-            "tool": {"type": "string", "enum": tool_names},
-            "difficulty": {"type": "integer", "enum": [1, 2, 3, 4, 5]},
+def generation_schema(tool_names: list[str], n: int, checks: CheckTools | None = None) -> dict[str, Any]:
+    """Bounded on purpose: a small model under constrained decoding otherwise writes forever.
+
+    With `checks` (a real generator), each task may also carry `setup` calls and end-state `checks`
+    on read-only tools, and the generator says which unannotated tools only read. Arguments are a
+    JSON text, not an object: a free-form object is refused by some providers' strict modes."""
+    item: dict[str, Any] = {
+        "task": {"type": "string", "minLength": 15, "maxLength": 300 if checks is not None else 160},
+        "tools": {
+            "type": "array",
+            "items": {"type": "string", "enum": tool_names},
+            "minItems": 1,
+            "maxItems": 4,
         },
-        "required": ["task", "tool", "difficulty"],
-        "additionalProperties": False,
+        "difficulty": {"type": "integer", "enum": list(DIFFICULTY)},
     }
-    return {
+    top: dict[str, Any] = {}
+    if checks is not None:
+        arguments = {"type": "string", "maxLength": 300, "description": "the arguments as a JSON object"}
+        strings = {"type": "array", "items": {"type": "string", "maxLength": 80}, "maxItems": 4}
+        call = {
+            "type": "object",
+            "properties": {"tool": {"type": "string", "enum": tool_names}, "arguments": arguments},
+            "required": ["tool", "arguments"],
+            "additionalProperties": False,
+        }
+        check = {
+            "type": "object",
+            "properties": {
+                "tool": {"type": "string", "enum": checks.candidates},
+                "arguments": arguments,
+                "expect_contains": strings,
+                "expect_absent": strings,
+            },
+            "required": ["tool", "arguments", "expect_contains", "expect_absent"],
+            "additionalProperties": False,
+        }
+        item |= {
+            "setup": {"type": "array", "items": call, "maxItems": 3},
+            "checks": {"type": "array", "items": check, "maxItems": 3},
+        }
+        if checks.unknown:
+            top["read_only_tools"] = {
+                "type": "array",
+                "items": {"type": "string", "enum": checks.unknown},
+                "maxItems": len(checks.unknown),
+            }
+    scenario = {
         "type": "object",
-        "properties": {"scenarios": {"type": "array", "items": item, "minItems": 1, "maxItems": n}},
-        "required": ["scenarios"],
+        "properties": item,
+        "required": list(item),
         "additionalProperties": False,
     }
+    props = {"scenarios": {"type": "array", "items": scenario, "minItems": 1, "maxItems": n}, **top}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
-def generation_messages(info: ServerInfo, n: int, examples: list[Scenario]) -> list[dict[str, str]]:
+class CheckTools(BaseModel):
+    """Which tools an end-state check may call: read-only by the server's annotations, or unknown
+    (no annotations) and then only if the generator lists them in `read_only_tools`."""
+
+    read_only: list[str]
+    unknown: list[str]
+
+    @property
+    def candidates(self) -> list[str]:
+        return self.read_only + self.unknown
+
+    @classmethod
+    def of(cls, info: ServerInfo) -> CheckTools:
+        names = info.tool_names() + [n for n in info.kinds if n not in info.tool_names()]
+        return cls(
+            read_only=[n for n in names if info.kind(n) == "read_only"],
+            unknown=[n for n in names if info.kind(n) == "unknown"],
+        )
+
+
+def generation_messages(
+    info: ServerInfo, n: int, examples: list[Scenario], checks: CheckTools | None = None
+) -> list[dict[str, str]]:
     lines = [
         f"- {t['function']['name']}: {(t['function'].get('description') or '').strip()[:200]} "
         f"arguments: {json.dumps((t['function'].get('parameters') or {}).get('properties') or {})[:300]}"
@@ -203,16 +297,35 @@ def generation_messages(info: ServerInfo, n: int, examples: list[Scenario]) -> l
     ]
     res = "".join(f"\n- resource {r['uri']}: {r.get('description', '')[:100]}" for r in info.resources[:10])
     shots = "\n".join(
-        json.dumps({"task": s.task, "tool": s.tools[0], "difficulty": s.difficulty}) for s in examples
+        json.dumps({"task": s.task, "tools": s.tools, "difficulty": s.difficulty}) for s in examples
     )
+    levels = "; ".join(f"{k} = {v}" for k, v in DIFFICULTY.items())
     system = (
         "You write realistic tasks that a user would give an AI agent that has the tools below. Each task "
         "names concrete values (no placeholders), needs at least one tool call, and can be checked from "
-        "the tool results. Vary the tools and the difficulty (1 = one call, 5 = several calls)."
+        f"the tool results. List every tool the task needs. Vary the tools and the difficulty ({levels}); "
+        "most tasks should be 2 or harder."
     )
+    if checks is not None:
+        system += (
+            " For each task, also write `setup`: tool calls that put the server in the state the task "
+            "assumes (they run before the agent starts; may be empty), and `checks`: calls of read-only "
+            "tools made after the agent finished, with strings the result must contain "
+            "(`expect_contains`) or must not contain (`expect_absent`) if and only if the task was done. "
+            f"Read-only by the server's own annotations: {checks.read_only or 'none'}."
+            + (
+                f" Not annotated: {checks.unknown}; list in `read_only_tools` those that only read "
+                "(never change state): checks may call only read-only tools."
+                if checks.unknown
+                else ""
+            )
+            + " Arguments are a JSON object written as a string."
+        )
     user = (
         f"Server: {info.name}\nTools:\n" + "\n".join(lines) + res + f"\n\nExamples:\n{shots}\n\n"
-        f'Write {n} new, different tasks as JSON: {{"scenarios": [{{"task": ..., "tool": ..., "difficulty": ...}}]}}'
+        f'Write {n} new, different tasks as JSON: {{"scenarios": [{{"task": ..., "tools": [...], "difficulty": ...'
+        + (', "setup": [...], "checks": [...]' if checks is not None else "")
+        + "}]}"
     )
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
@@ -245,6 +358,70 @@ class GenerationReport(BaseModel):
     from_schema: int
     rejected: int
     generator_error: str | None = None
+    checks: int = Field(default=0, description="end-state checks the generator wrote that were kept")
+    checks_rejected: int = Field(
+        default=0,
+        description="generated checks dropped: a tool that may change state, arguments that are not "
+        "a JSON object, or nothing to expect",
+    )
+    read_only_by_generator: list[str] = Field(
+        default_factory=list, description="unannotated tools the generator said only read"
+    )
+
+
+def _arguments(text: Any) -> dict[str, Any] | None:
+    """A generated `arguments` field (JSON text; an object is taken as it is), or None."""
+    if isinstance(text, dict):
+        return text
+    try:
+        value = json.loads(text) if isinstance(text, str) and text.strip() else {}
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _generated(
+    item: dict[str, Any], names: list[str], read_only: set[str]
+) -> tuple[Scenario | None, int, int]:
+    """(the scenario a generated item describes or None, checks kept, checks dropped).
+
+    A check survives only on a tool known to be read-only (a check that writes would make its own
+    truth) with a JSON-object argument and at least one expected string; a scenario keeps the setup
+    calls that name a real tool with JSON-object arguments, and is dropped if it names no real tool."""
+    tools = list(dict.fromkeys(t for t in item.get("tools") or [] if t in names))
+    if not tools:
+        return None, 0, 0
+    setup = [
+        ToolCallSpec(tool=c["tool"], arguments=args)
+        for c in item.get("setup") or []
+        if isinstance(c, dict)
+        and c.get("tool") in names
+        and (args := _arguments(c.get("arguments"))) is not None
+    ]
+    checks: list[Check] = []
+    dropped = 0
+    for c in item.get("checks") or []:
+        args = _arguments(c.get("arguments")) if isinstance(c, dict) else None
+        contains = (
+            [str(x) for x in c.get("expect_contains") or [] if str(x).strip()] if args is not None else []
+        )
+        absent = [str(x) for x in c.get("expect_absent") or [] if str(x).strip()] if args is not None else []
+        if args is None or c.get("tool") not in read_only or not (contains or absent):
+            dropped += 1
+            continue
+        checks.append(Check(tool=c["tool"], arguments=args, expect_contains=contains, expect_absent=absent))
+    difficulty = item.get("difficulty", 1)
+    task = str(item.get("task", "")).strip()
+    scenario = Scenario(
+        id=scenario_id(task),
+        task=task,
+        difficulty=difficulty if difficulty in DIFFICULTY else 1,
+        tools=tools,
+        source="generator",
+        setup=setup,
+        checks=checks,
+    )
+    return scenario, len(checks), dropped
 
 
 async def generate_scenarios(
@@ -260,12 +437,15 @@ async def generate_scenarios(
     seed: int = 0,
     max_generator_calls: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    with_checks: bool | None = None,
 ) -> tuple[list[Scenario], GenerationReport]:
     """`num_scenarios` distinct tasks; generator="none" uses the tool schemas only.
 
     generator: "local" (the model the backend registered last), "local:<name>" or a TrainableModel,
         an OpenAI-compatible base URL (with `generator_model=`), or a LiteLLM model string; see
         `journeyman.llm`. Local models are found on `backend` (the current backend when None).
+    with_checks: ask for `setup` calls and end-state `checks` too (see `CheckTools`); by default only
+        a real generator (a URL or a LiteLLM id) is asked: the embedded model cannot write them.
     The generator is asked in batches; a generator that fails or writes junk costs nothing but
     time, because schema tasks fill the rest. A wrong spec or a missing extra is raised.
     """
@@ -277,8 +457,7 @@ async def generate_scenarios(
     names = info.tool_names()
     out: list[Scenario] = []
     seen: set[str] = set()
-    rejected = 0
-    error: str | None = None
+    report = GenerationReport(requested=num_scenarios, from_generator=0, from_schema=0, rejected=0)
     llm: LLM | None = None
     if generator != "none":
         try:
@@ -286,8 +465,11 @@ async def generate_scenarios(
         except (InvalidFieldError, ImportError):
             raise
         except Exception as e:  # a local endpoint that does not answer: fall back, say why
-            error = f"{type(e).__name__}: {str(e)[:200]}"
+            report.generator_error = f"{type(e).__name__}: {str(e)[:200]}"
     if llm is not None:
+        check_tools = (
+            CheckTools.of(info) if (with_checks if with_checks is not None else llm.kind != "local") else None
+        )
         calls = (
             max_generator_calls if max_generator_calls is not None else -(-num_scenarios // batch_size) + 1
         )
@@ -303,49 +485,45 @@ async def generate_scenarios(
             try:
                 text, _ = await complete_json(
                     llm,
-                    generation_messages(info, want, shots),
-                    generation_schema(names, want),
+                    generation_messages(info, want, shots, check_tools),
+                    generation_schema(names, want, check_tools),
                     name="scenarios",
                     params=params,
                     timeout=timeout_s,
                 )
-                items = json.loads(text).get("scenarios", [])
+                answer = json.loads(text)
+                items = answer.get("scenarios", [])
             except (InvalidFieldError, ImportError):
                 raise
             except Exception as e:  # a generator that is down or answers junk: fall back, say why
-                error = f"{type(e).__name__}: {str(e)[:200]}"
+                report.generator_error = f"{type(e).__name__}: {str(e)[:200]}"
                 break
-            for item in items:
-                task = str(item.get("task", "")).strip()
-                tool = item.get("tool")
-                key = _norm(task)
-                if not plausible(task, info) or key in seen or tool not in names:
-                    rejected += 1
-                    continue
-                seen.add(key)
-                out.append(
-                    Scenario(
-                        id=scenario_id(task),
-                        task=task,
-                        difficulty=int(item.get("difficulty", 1)),
-                        tools=[tool],
-                        source="generator",
-                    )
+            read_only: set[str] = set()
+            if check_tools is not None:
+                said = [t for t in answer.get("read_only_tools") or [] if t in check_tools.unknown]
+                report.read_only_by_generator = sorted(set(report.read_only_by_generator) | set(said))
+                read_only = set(check_tools.read_only) | set(report.read_only_by_generator)
+            for item in items if isinstance(items, list) else []:
+                scenario, kept, dropped = (
+                    _generated(item, names, read_only) if isinstance(item, dict) else (None, 0, 0)
                 )
-    n_gen = len(out)
+                report.checks_rejected += dropped
+                if scenario is None or not plausible(scenario.task, info) or _norm(scenario.task) in seen:
+                    report.rejected += 1
+                    continue
+                seen.add(_norm(scenario.task))
+                report.checks += kept
+                out.append(scenario)
+    n_gen = min(len(out), num_scenarios)
     for s in fallback:
         if len(out) >= num_scenarios:
             break
         if _norm(s.task) not in seen:
             seen.add(_norm(s.task))
             out.append(s)
-    return out[:num_scenarios], GenerationReport(
-        requested=num_scenarios,
-        from_generator=min(n_gen, num_scenarios),
-        from_schema=len(out[:num_scenarios]) - min(n_gen, num_scenarios),
-        rejected=rejected,
-        generator_error=error,
-    )
+    report.from_generator = n_gen
+    report.from_schema = len(out[:num_scenarios]) - n_gen
+    return out[:num_scenarios], report
 
 
 def split(scenarios: list[Scenario], num_eval: int, seed: int = 0) -> tuple[list[Scenario], list[Scenario]]:

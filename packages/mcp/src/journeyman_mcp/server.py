@@ -98,6 +98,19 @@ def openai_tool(name: str, description: str | None, input_schema: dict[str, Any]
     }
 
 
+ToolKind = Literal["read_only", "mutating", "unknown"]
+
+
+def tool_kind(read_only_hint: bool | None, destructive_hint: bool | None) -> ToolKind:
+    """A tool's kind from its MCP annotations: `readOnlyHint` decides; a tool that says it is
+    destructive mutates; a tool without hints is unknown (the scenario generator classifies it)."""
+    if read_only_hint is True:
+        return "read_only"
+    if read_only_hint is False or destructive_hint is True:
+        return "mutating"
+    return "unknown"
+
+
 class ServerInfo(BaseModel):
     """What the server offers: tools (OpenAI form), resources and prompts where it has them."""
 
@@ -106,9 +119,16 @@ class ServerInfo(BaseModel):
     tools: list[dict[str, Any]]
     resources: list[dict[str, Any]] = Field(default_factory=list)
     prompts: list[dict[str, Any]] = Field(default_factory=list)
+    kinds: dict[str, ToolKind] = Field(
+        default_factory=dict,
+        description="tool name -> read_only | mutating from the MCP annotations; absent = unknown",
+    )
 
     def tool_names(self) -> list[str]:
         return [t["function"]["name"] for t in self.tools]
+
+    def kind(self, name: str) -> ToolKind:
+        return self.kinds.get(name, "unknown")
 
     def select(self, names: Sequence[str] | None) -> ServerInfo:
         """Only the named tools (all when `names` is empty); an unknown name is an error."""
@@ -310,6 +330,12 @@ async def describe_server(conn: Connection) -> ServerInfo:
         tools=[openai_tool(t.name, t.description, t.input_schema) for t in tools],
         resources=resources,
         prompts=prompts,
+        kinds={
+            t.name: kind
+            for t in tools
+            if (a := t.annotations) is not None
+            and (kind := tool_kind(a.read_only_hint, a.destructive_hint)) != "unknown"
+        },
     )
 
 

@@ -1,4 +1,5 @@
-"""The MCP·RL loop: connect → scenarios → (eval) → [rollout groups → RULER → GRPO step]* → eval.
+"""The MCP·RL loop: connect → scenarios → (eval) → [rollout groups → RULER → GRPO step]* → eval →
+win rate against a baseline (the base model by default), judged pair by pair.
 
 settings = McpRlSettings(server=ServerSpec.parse("http://127.0.0.1:8000/mcp"), steps=10)
 report = asyncio.run(train(settings))
@@ -20,10 +21,12 @@ import journeyman as jm
 from journeyman.plot import plot_history
 from pydantic import BaseModel, Field
 
+from .players import BASE, NONE, Player, policy_player, resolve_against
 from .reward import score_group
 from .rollout import RolloutConfig, rollout
 from .scenarios import GenerationReport, Scenario, ScenarioSet, generate_scenarios, split
 from .server import ServerInfo, ServerSpec, ServerUnavailableError, SessionPool
+from .winrate import WinRate, win_rate
 
 Echo = Callable[[str], None]
 
@@ -49,11 +52,12 @@ class McpRlSettings(BaseModel):
     )
     tools: list[str] = Field(default_factory=list, description="train on these tools only (all when empty)")
     judge: str = Field(
-        "local", description='"local" (a frozen copy of the base model), "none", a URL or a LiteLLM id'
+        default="local",
+        description='"local" (a frozen copy of the base model), "none", a URL or a LiteLLM id',
     )
     judge_model: str | None = None
     generator: str = Field(
-        "local", description='"local" (the policy), "none" (schemas only), a URL or a LiteLLM id'
+        default="local", description='"local" (the policy), "none" (schemas only), a URL or a LiteLLM id'
     )
     generator_model: str | None = None
     scenarios_file: Path | None = None
@@ -91,6 +95,19 @@ class McpRlSettings(BaseModel):
     )
     seed: int = 0
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    eval_samples: int = Field(
+        default=1,
+        ge=0,
+        description="sampled episodes per held-out scenario at the training temperature, reported beside "
+        "the greedy one (0: greedy only); the same rollout and reward as training",
+    )
+    against: str = Field(
+        default=BASE,
+        description='the baseline the judge compares the trained policy with on held-out scenarios: "base" '
+        '(the base model, step 0), "none" (no comparison), "local:<name>", an OpenAI-compatible URL '
+        "(with against_model) or a LiteLLM id",
+    )
+    against_model: str | None = Field(default=None, description="model to ask when `against` is a URL")
     sft_warmup: Path | None = Field(
         default=None,
         description="before RL, fine-tune on the trajectories in this .jsonl (Trajectory or TrajectoryGroup "
@@ -111,10 +128,14 @@ class McpRlSettings(BaseModel):
         return jm.open_backend(self.backend, token=self.token, path=self.path, engine=self.engine)
 
 
+TOO_EASY = 0.9
+"""Held-out success of the base model at or above which the task set cannot show a gain."""
+
+
 class EvalSummary(BaseModel):
     step: int
     scenarios: int
-    success: float
+    success: float = Field(description="greedy")
     success_sem: float
     reward: float
     tool_calls: float
@@ -122,6 +143,11 @@ class EvalSummary(BaseModel):
     invalid_calls: float
     completed: float
     failed_rollouts: int = 0
+    player: str = Field(default="policy", description="who played: the policy, or a baseline's label")
+    samples: int = Field(default=0, description="sampled episodes per scenario (0: none)")
+    sampled_success: float | None = Field(default=None, description="at the training temperature")
+    sampled_success_sem: float | None = None
+    sampled_reward: float | None = None
 
 
 class TrainReport(BaseModel):
@@ -131,32 +157,49 @@ class TrainReport(BaseModel):
     evals: list[EvalSummary]
     steps: list[dict[str, Any]]
     plot: Path | None = None
+    baseline: EvalSummary | None = Field(default=None, description="the baseline's held-out episodes")
+    win_rates: list[WinRate] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
 
     def table(self) -> str:
-        """Before/after (and intermediate) held-out results as a fixed-width text table."""
-        cols = ["step", "success", "reward", "calls/ep", "tool err", "invalid/ep", "completed"]
+        """Held-out results (greedy and sampled) per evaluated step, the baseline, then the judge's
+        win rate and any warnings, as fixed-width text."""
+        cols = ["step", "success", "sampled", "reward", "calls/ep", "tool err", "invalid/ep", "completed"]
+        evals = [
+            *self.evals,
+            *([self.baseline] if self.baseline and self.baseline.player != "policy" else []),
+        ]
         rows = [
             [
-                str(e.step),
+                str(e.step) if e.player == "policy" else e.player,
                 f"{e.success:.2f} ± {e.success_sem:.2f}",
+                f"{e.sampled_success:.2f} ± {e.sampled_success_sem or 0:.2f}"
+                if e.sampled_success is not None
+                else "-",
                 f"{e.reward:.3f}",
                 f"{e.tool_calls:.2f}",
                 f"{e.tool_error_rate:.2f}",
                 f"{e.invalid_calls:.2f}",
                 f"{e.completed:.2f}",
             ]
-            for e in self.evals
+            for e in evals
         ]
         widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
         line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True))  # noqa: E731
         n = self.evals[0].scenarios if self.evals else 0
+        k = max((e.samples for e in self.evals), default=0)
+        head = f"held-out eval ({n} scenarios; success greedy" + (
+            f", sampled x{k} at the training temperature)" if k else ")"
+        )
         return "\n".join(
-            [f"held-out eval ({n} scenarios, greedy)", line(cols), line(["-" * w for w in widths])]
+            [head, line(cols), line(["-" * w for w in widths])]
             + [line(r) for r in rows]
+            + [w.line() for w in self.win_rates]
+            + [f"warning: {w}" for w in self.warnings]
         )
 
 
-def _summary(step: int, groups: list[jm.TrajectoryGroup], failed: int) -> EvalSummary:
+def _summary(step: int, groups: list[jm.TrajectoryGroup], failed: int, player: str = "policy") -> EvalSummary:
     ts = [t for g in groups for t in g.trajectories]
     if not ts:
         return EvalSummary(
@@ -170,6 +213,7 @@ def _summary(step: int, groups: list[jm.TrajectoryGroup], failed: int) -> EvalSu
             invalid_calls=0,
             completed=0,
             failed_rollouts=failed,
+            player=player,
         )
     succ = [float(t.metrics["success"]) for t in ts]
     calls = sum(float(t.metrics["tool_calls"]) for t in ts)
@@ -184,12 +228,57 @@ def _summary(step: int, groups: list[jm.TrajectoryGroup], failed: int) -> EvalSu
         invalid_calls=statistics.mean(float(t.metrics["invalid_calls"]) for t in ts),
         completed=statistics.mean(float(t.metrics["completed"]) for t in ts),
         failed_rollouts=failed,
+        player=player,
     )
 
 
 async def _rollout_on_pool(pool: SessionPool, *args: Any, **kwargs: Any) -> jm.Trajectory:
     async with pool.lease() as conn:
         return await rollout(*args, conn=conn, **kwargs)
+
+
+async def episodes(
+    player: Player,
+    pool: SessionPool,
+    info: ServerInfo,
+    scenarios: list[Scenario],
+    cfg: RolloutConfig,
+    *,
+    n: int,
+    desc: str,
+    seed: int | None = None,
+    max_exceptions: float | None = None,
+    after_each: Callable[[jm.TrajectoryGroup], Any] | None = None,
+) -> tuple[list[jm.TrajectoryGroup], int]:
+    """(groups, failed rollouts): `n` episodes of each scenario by `player`, one group per scenario.
+
+    The one path that training, evaluation and baselines share, so their success and reward mean
+    the same thing. With `max_exceptions` None any number of rollouts may fail (an evaluation
+    counts them as failures); else `jm.TooManyExceptionsError` past it."""
+    groups = [
+        jm.TrajectoryGroup(
+            (
+                _rollout_on_pool(pool, player.model, player.client, info=info, scenario=s, cfg=cfg, seed=seed)
+                for _ in range(n)
+            ),
+            metadata={"scenario_id": s.id, "task": s.task},
+        )
+        for s in scenarios
+    ]
+    limit = max_exceptions if max_exceptions is not None else len(scenarios) * n
+    try:
+        done = await jm.gather_trajectory_groups(
+            groups, pbar_desc=desc, max_exceptions=limit, after_each=after_each
+        )
+    except jm.TooManyExceptionsError as e:
+        if max_exceptions is not None:
+            raise
+        done = e.groups
+    failed = sum(len(g.exceptions) for g in groups)
+    for g in done:
+        for t in g.trajectories:
+            t.metrics.setdefault("independent_reward", t.reward)
+    return done, failed
 
 
 async def evaluate(
@@ -200,32 +289,35 @@ async def evaluate(
     cfg: RolloutConfig,
     *,
     log: bool = True,
+    samples: int = 0,
+    player: Player | None = None,
 ) -> tuple[EvalSummary, list[jm.TrajectoryGroup]]:
-    """One greedy episode per held-out scenario; judge-free metrics, logged as split "val"."""
-    client = model.openai_client()
+    """One greedy episode per held-out scenario (and `samples` at `cfg.temperature`), by the policy or
+    by `player`; judge-free metrics, the policy's logged as split "val". Returns the greedy groups."""
+    who = player or policy_player(model)
     greedy = cfg.model_copy(update={"temperature": 0.0})
     step = await model.get_step()
-    groups = [
-        jm.TrajectoryGroup(
-            [_rollout_on_pool(pool, model, client, info=info, scenario=s, cfg=greedy, seed=0)],
-            metadata={"scenario_id": s.id},
+    label = "policy" if player is None else player.label
+    desc = f"eval@{step}" if player is None else f"eval {player.label}"
+    done, failed = await episodes(who, pool, info, scenarios, greedy, n=1, desc=desc, seed=0)
+    summary = _summary(step, done, failed, label)
+    if samples:
+        sampled, s_failed = await episodes(who, pool, info, scenarios, cfg, n=samples, desc=f"{desc} sampled")
+        s = _summary(step, sampled, s_failed)
+        summary = summary.model_copy(
+            update={
+                "samples": samples,
+                "sampled_success": s.success,
+                "sampled_success_sem": s.success_sem,
+                "sampled_reward": s.reward,
+            }
         )
-        for s in scenarios
-    ]
-    try:
-        done = await jm.gather_trajectory_groups(
-            groups, pbar_desc=f"eval@{step}", max_exceptions=len(scenarios)
-        )
-    except jm.TooManyExceptionsError as e:
-        done = e.groups
-    failed = sum(len(g.exceptions) for g in groups)
-    for g in done:
-        for t in g.trajectories:
-            t.metrics["independent_reward"] = t.reward
-    summary = _summary(step, done, failed)
-    if log and done:
-        # val/success is the mean of the rollouts' metrics; its SEM rides in the same row
-        await model.log(done, split="val", metrics={"success_sem": summary.success_sem})
+    if log and done and player is None:
+        # val/success is the mean of the greedy rollouts' metrics; the rest rides in the same row
+        extra = {"success_sem": summary.success_sem}
+        if summary.sampled_success is not None:
+            extra["sampled_success"] = summary.sampled_success
+        await model.log(done, split="val", metrics=extra)
     return summary, done
 
 
@@ -236,13 +328,80 @@ async def evaluate_and_echo(
     scenarios: list[Scenario],
     cfg: RolloutConfig,
     echo: Echo,
-) -> EvalSummary:
-    summary, _ = await evaluate(model, pool, info, scenarios, cfg)
+    samples: int = 0,
+) -> tuple[EvalSummary, list[jm.TrajectoryGroup]]:
+    summary, groups = await evaluate(model, pool, info, scenarios, cfg, samples=samples)
+    sampled = (
+        f", sampled {summary.sampled_success:.2f} ± {summary.sampled_success_sem or 0:.2f}"
+        if summary.sampled_success is not None
+        else ""
+    )
     echo(
-        f"eval@{summary.step}: success {summary.success:.2f} ± {summary.success_sem:.2f}, "
+        f"eval@{summary.step}: success {summary.success:.2f} ± {summary.success_sem:.2f}{sampled}, "
         f"calls/ep {summary.tool_calls:.2f}"
     )
-    return summary
+    return summary, groups
+
+
+def too_easy(base: EvalSummary) -> str | None:
+    """The warning a saturated task set deserves, or None."""
+    if base.scenarios and base.success >= TOO_EASY:
+        return (
+            f"the base model already scores {base.success:.2f} (>= {TOO_EASY}) on the held-out split: this "
+            "task set is too easy to show a gain (harder scenarios: --generator <a real model>, "
+            "multi-step tasks, end-state checks)"
+        )
+    return None
+
+
+async def compare(
+    settings: McpRlSettings,
+    model: jm.TrainableModel,
+    pool: SessionPool,
+    info: ServerInfo,
+    scenarios: list[Scenario],
+    trained: list[jm.TrajectoryGroup],
+    judge: str,
+    backend: jm.Backend,
+    echo: Echo,
+    player: Player | None,
+    base: tuple[EvalSummary, list[jm.TrajectoryGroup]] | None = None,
+) -> tuple[EvalSummary, list[jm.TrajectoryGroup], WinRate | None]:
+    """The baseline's greedy held-out episodes (summary and groups), by `player` or (None) the base
+    model, reusing `base` (the step-0 evaluation) when it was run; and the judge's win rate of
+    `trained` against them (None with judge "none")."""
+    step = await model.get_step()
+    if player is None:
+        label = "base (step 0)"
+        if base is None:  # the adapter off, then on again: one engine plays both sides
+            await model.serve_step(0)
+            try:
+                summary, groups = await evaluate(model, pool, info, scenarios, settings.rollout, log=False)
+            finally:
+                await model.serve_step(step)
+            summary = summary.model_copy(update={"player": label})
+        else:
+            summary, groups = base
+    else:
+        summary, groups = await evaluate(
+            model, pool, info, scenarios, settings.rollout, log=False, player=player
+        )
+        label = player.label
+    echo(f"baseline {label}: success {summary.success:.2f} ± {summary.success_sem:.2f}")
+    if judge == "none":
+        return summary, groups, None
+    rate = await win_rate(
+        trained,
+        groups,
+        judge=judge,
+        judge_model=settings.judge_model,
+        backend=backend,
+        step=step,
+        against=label,
+        scenario_ids=[s.id for s in scenarios],
+    )
+    echo(rate.line())
+    return summary, groups, rate
 
 
 async def load_or_generate(
@@ -270,6 +429,11 @@ async def load_or_generate(
         f"scenarios: {report.from_generator} from generator={settings.generator!r}, {report.from_schema} from "
         f"tool schemas ({report.rejected} generated rejected"
         + (f"; generator failed: {report.generator_error}" if report.generator_error else "")
+        + (
+            f"; {report.checks} end-state checks kept, {report.checks_rejected} dropped"
+            if report.checks or report.checks_rejected
+            else ""
+        )
         + f") -> {len(train_s)} train / {len(eval_s)} eval, saved to {path}"
     )
     return sset, path, report
@@ -313,6 +477,34 @@ async def connect(settings: McpRlSettings, echo: Echo) -> tuple[SessionPool, Ser
     return pool, info
 
 
+async def open_against(settings: McpRlSettings, backend: jm.Backend) -> Player | None:
+    """The baseline player (None for "base" and "none"), resolved before any work so a wrong spec
+    fails at once rather than after training."""
+    if settings.against in (BASE, NONE):
+        if settings.against_model is not None:
+            raise jm.InvalidFieldError(
+                "against_model",
+                settings.against_model,
+                f"only a base-URL --against takes a model; it is {settings.against!r}",
+            )
+        return None
+    return await resolve_against(settings.against, settings.against_model, backend=backend)
+
+
+async def open_judge(settings: McpRlSettings, backend: jm.Backend) -> str:
+    """The judge spec to use: "local" becomes a frozen copy of the base model registered beside the
+    policy, so the policy never grades itself (not even at step 0, where they would agree)."""
+    if settings.judge != "local":
+        return settings.judge
+    judge_model = jm.TrainableModel(
+        name=f"{settings.model}-judge",
+        project=settings.project,
+        base_model=settings.base_model or jm.DEFAULT_BASE_MODEL,
+    )
+    await judge_model.register(backend)
+    return f"local:{judge_model.name}"
+
+
 async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
     # a bad warm-up file fails now, not after the model loaded and the first evaluation ran
     warmup = jm.read_trajectories(settings.sft_warmup) if settings.sft_warmup is not None else None
@@ -326,26 +518,27 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
         )
         echo("loading the policy...")
         await model.register(backend)
-        judge = settings.judge
-        if judge == "local":
-            # A frozen copy of the base model judges, so the policy never grades itself.
-            judge_model = jm.TrainableModel(
-                name=f"{settings.model}-judge",
-                project=settings.project,
-                base_model=settings.base_model or jm.DEFAULT_BASE_MODEL,
-            )
-            await judge_model.register(backend)
-            judge = f"local:{judge_model.name}"
+        judge = await open_judge(settings, backend)
+        against = await open_against(settings, backend)
         generator = f"local:{model.name}" if settings.generator == "local" else settings.generator
         sset, spath, gen = await load_or_generate(
             settings.model_copy(update={"generator": generator}), info, settings.out_dir, echo
         )
         cfg = settings.rollout
-        evals: list[EvalSummary] = []
-        evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
+        k = settings.eval_samples
+        warnings: list[str] = []
+        started_at = await model.get_step()
+        first = await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo, k)
+        evals = [first[0]]
+        base = first if started_at == 0 else None  # the base model's episodes, for the comparison
+        if base is not None and (warning := too_easy(base[0])):
+            warnings.append(warning)
+            echo(f"warning: {warning}")
+        last = first
         if warmup is not None and await sft_warmup(model, warmup, settings.sft, echo):
-            evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
-        client = model.openai_client()
+            last = await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo, k)
+            evals.append(last[0])
+        policy = policy_player(model)
         score = functools.partial(score_group, judge=judge, judge_model=settings.judge_model, backend=backend)
         config = jm.TrainConfig(
             learning_rate=settings.learning_rate,
@@ -363,25 +556,24 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
                     order = rng.sample(sset.train, len(sset.train))
                 batch.append(order.pop())
             t0 = time.perf_counter()
-            groups = [
-                jm.TrajectoryGroup(
-                    (
-                        _rollout_on_pool(pool, model, client, info=info, scenario=s, cfg=cfg)
-                        for _ in range(settings.group_size)
-                    ),
-                    metadata={"scenario_id": s.id, "task": s.task},
-                )
-                for s in batch
-            ]
             try:
-                groups = await jm.gather_trajectory_groups(
-                    groups, pbar_desc=f"step {step}", max_exceptions=settings.max_exceptions, after_each=score
+                groups, failed = await episodes(
+                    policy,
+                    pool,
+                    info,
+                    batch,
+                    cfg,
+                    n=settings.group_size,
+                    desc=f"step {step}",
+                    max_exceptions=settings.max_exceptions,
+                    after_each=score,
                 )
             except jm.TooManyExceptionsError as e:
-                first = next((x for g in groups for x in g.exceptions), None)
+                first_error = next((x for g in e.groups for x in g.exceptions), None)
                 raise ServerUnavailableError(
                     f"{e.failed} of {e.total} rollouts failed at step {step} (max_exceptions="
-                    f"{settings.max_exceptions:g}); first: {first.type + ': ' + first.message if first else '?'}"
+                    f"{settings.max_exceptions:g}); first: "
+                    f"{first_error.type + ': ' + first_error.message if first_error else '?'}"
                 ) from None
             rollout_s = time.perf_counter() - t0
             groups = [g for g in groups if len(g.trajectories) >= 2]
@@ -390,9 +582,10 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
             if ts:
                 row.update(
                     reward=statistics.mean(t.reward for t in ts),
+                    independent_reward=statistics.mean(float(t.metrics["independent_reward"]) for t in ts),
                     success=statistics.mean(float(t.metrics["success"]) for t in ts),
                     tool_calls=statistics.mean(float(t.metrics["tool_calls"]) for t in ts),
-                    failed=sum(len(g.exceptions) for g in groups),
+                    failed=failed,
                 )
                 await model.log(split="train", metrics={"success": row["success"]})
                 result = await model.train(groups, config=config)
@@ -405,14 +598,23 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
                 row.update(skipped=True)
             steps.append(row)
             echo(
-                f"step {step}: reward {row.get('reward', float('nan')):.3f}, success {row.get('success', float('nan')):.2f}, "
+                f"step {step}: reward {row.get('reward', float('nan')):.3f}, success (sampled, train) "
+                f"{row.get('success', float('nan')):.2f}, "
                 f"calls/ep {row.get('tool_calls', float('nan')):.2f}, rollouts {rollout_s:.0f}s, "
                 f"train {row.get('train_seconds', 0):.0f}s{' (skipped: no reward spread)' if row.get('skipped') else ''}"
             )
             if settings.eval_every and (i + 1) % settings.eval_every == 0 and i + 1 < settings.steps:
-                evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
+                evals.append((await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo, k))[0])
         if settings.steps:
-            evals.append(await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo))
+            last = await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo, k)
+            evals.append(last[0])
+        baseline: EvalSummary | None = None
+        win_rates: list[WinRate] = []
+        if settings.against != NONE and (settings.steps or settings.against != BASE):
+            baseline, _, rate = await compare(
+                settings, model, pool, info, sset.eval, last[1], judge, backend, echo, against, base
+            )
+            win_rates += [rate] if rate is not None else []
         run_dir = settings.out_dir
         plot = plot_history(
             await model.history(),
@@ -421,7 +623,15 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
             metric="success",
         )
         report = TrainReport(
-            run_dir=run_dir, scenarios_file=spath, generation=gen, evals=evals, steps=steps, plot=plot
+            run_dir=run_dir,
+            scenarios_file=spath,
+            generation=gen,
+            evals=evals,
+            steps=steps,
+            plot=plot,
+            baseline=baseline,
+            win_rates=win_rates,
+            warnings=warnings,
         )
         (run_dir / "mcp_rl_report.json").write_text(report.model_dump_json(indent=2))
         return report
@@ -430,8 +640,9 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
         await pool.__aexit__(None, None, None)
 
 
-async def eval_step(settings: McpRlSettings, step: int | None, echo: Echo = print) -> EvalSummary:
-    """Evaluate checkpoint `step` (latest when None; 0 = the base model) on the run's eval scenarios."""
+async def eval_step(settings: McpRlSettings, step: int | None, echo: Echo = print) -> TrainReport:
+    """Evaluate checkpoint `step` (latest when None; 0 = the base model) on the run's eval scenarios,
+    greedy and sampled, and (unless `against` or `judge` is "none") its win rate against the baseline."""
     pool, info = await connect(settings, echo)
     backend = settings.open_backend()
     try:
@@ -443,17 +654,26 @@ async def eval_step(settings: McpRlSettings, step: int | None, echo: Echo = prin
         await model.register(backend)
         if step is not None:
             await model.serve_step(step)  # refuses a step the run does not have, naming it
+        against = await open_against(settings, backend)
         run_dir = settings.out_dir
+        spath = settings.scenarios_file or run_dir / "scenarios.json"
         sset, _, _ = await load_or_generate(
-            settings.model_copy(
-                update={"scenarios_file": settings.scenarios_file or run_dir / "scenarios.json"}
-            ),
-            info,
-            run_dir,
-            echo,
+            settings.model_copy(update={"scenarios_file": spath}), info, run_dir, echo
         )
-        summary, _ = await evaluate(model, pool, info, sset.eval, settings.rollout, log=False)
-        return summary
+        summary, groups = await evaluate(
+            model, pool, info, sset.eval, settings.rollout, log=False, samples=settings.eval_samples
+        )
+        report = TrainReport(run_dir=run_dir, scenarios_file=spath, evals=[summary], steps=[])
+        if settings.against != NONE:
+            judge = await open_judge(settings, backend) if settings.judge != "none" else "none"
+            baseline, _, rate = await compare(
+                settings, model, pool, info, sset.eval, groups, judge, backend, echo, against
+            )
+            report.baseline = baseline
+            report.win_rates = [rate] if rate is not None else []
+            if settings.against == BASE and (warning := too_easy(baseline)):
+                report.warnings.append(warning)
+        return report
     finally:
         backend.close()
         await pool.__aexit__(None, None, None)
