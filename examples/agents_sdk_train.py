@@ -10,7 +10,7 @@ default, `--api chat_completions` for the other one), and every run comes back a
 tool call, the answer). Held-out success (greedy, each held-out task in
 its 3 phrasings: 72) is measured before and after, with the paired count of tasks fixed and broken.
 
-    uv run python examples/agents_sdk_train.py                 # 10 steps, about 12 minutes on 2 CPU cores
+    uv run python examples/agents_sdk_train.py                 # 10 steps, about 20 minutes on 2 CPU cores
     uv run python examples/agents_sdk_train.py --api chat_completions --steps 4
 """
 
