@@ -173,6 +173,35 @@ def pack_rows(rows: Sequence[Row], budget: int) -> list[Pack]:
     return packs
 
 
+def packed_attention_mask(
+    config: Any, inputs: PackedInputs, dtype: torch.dtype
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The mask `packed_logprobs` hands the model. A model with sliding-window layers (Gemma 3,
+    Mistral) builds its window into the masks it makes itself, and uses a given mask as is, so the
+    window goes into ours: a token sees its row's last `sliding_window` positions only. Models that
+    mix full and sliding layers take one mask per layer type."""
+    mask = inputs.mask
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = None
+    if window and ("sliding_attention" in layer_types or not layer_types):
+        pos = inputs.positions[0]
+        sliding = mask & ((pos[:, None] - pos[None, :]) < window)[None, None]
+    if config._attn_implementation != "sdpa":  # additive masks
+        mask, sliding = (
+            None
+            if m is None
+            else torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
+            for m in (mask, sliding)
+        )
+    assert mask is not None
+    if sliding is None:
+        return mask
+    if not layer_types:  # every layer slides (Mistral with `sliding_window` set)
+        return sliding
+    return {"full_attention": mask, "sliding_attention": sliding}
+
+
 def packed_logprobs(
     policy_model: Any, inputs: PackedInputs, rows: torch.Tensor, pos: torch.Tensor
 ) -> torch.Tensor:
@@ -182,11 +211,7 @@ def packed_logprobs(
     transformers uses a 4-D mask as given: SDPA takes it as a boolean (True = attend), the other
     attention implementations (eager) add it to the scores."""
     causal_lm: Any = policy_model.get_base_model()
-    mask = inputs.mask
-    if causal_lm.config._attn_implementation != "sdpa":
-        mask = torch.zeros(mask.shape, dtype=causal_lm.dtype, device=mask.device).masked_fill(
-            ~mask, torch.finfo(causal_lm.dtype).min
-        )
+    mask = packed_attention_mask(causal_lm.config, inputs, causal_lm.dtype)
     hidden = causal_lm.model(
         input_ids=inputs.ids, position_ids=inputs.positions, attention_mask=mask, use_cache=False
     ).last_hidden_state  # (1, L, H)
