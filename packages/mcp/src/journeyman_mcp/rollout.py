@@ -20,7 +20,7 @@ from typing import Any
 
 import journeyman as jm
 from journeyman.messages import message_of_choice
-from openai import AsyncOpenAI, BadRequestError
+from openai import BadRequestError
 from pydantic import BaseModel, Field
 
 from .scenarios import Check, Scenario
@@ -94,7 +94,7 @@ async def run_checks(conn: Connection, checks: list[Check], timeout: float) -> i
 
 async def rollout(
     model: jm.ModelConfig | str,
-    client: AsyncOpenAI | Any,
+    client: Any,  # AsyncOpenAI, or anything with its chat.completions.create
     conn: Connection,
     info: ServerInfo,
     scenario: Scenario,
