@@ -264,6 +264,15 @@ async def test_records_are_exact_and_match_the_in_process_engine(vllm_served, se
     )
     assert [jm.record_of(c).token_ids for c in again.choices] == [r.token_ids for r in records]  # seeded
 
+    # Seeded, and longer than the CPU build's default 2048-token batch budget: chunked, its prefill
+    # killed vLLM's engine core (a CPU generator cannot rewind); the server now runs unchunked.
+    long = [{"role": "user", "content": "Summarize: " + " ".join(f"item{i}" for i in range(900))}]
+    assert 2048 < len(cf.prompt_ids(long)[0]) < 4000
+    out = await model.openai_client().chat.completions.create(
+        model=model.name, messages=long, max_tokens=4, temperature=1.0, seed=3
+    )
+    assert len(jm.record_of(out.choices[0]).token_ids) > 0
+
     stopped = await model.openai_client().chat.completions.create(
         model=model.name, messages=msgs, max_tokens=40, temperature=0, stop=["\n", "."]
     )

@@ -243,6 +243,12 @@ class VLLMServer:
             cmd += ["--lora-target-modules", *self.lora_target_modules]
         if self.cuda:
             cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        else:
+            # vLLM's CPU build kills its engine core on a seeded request whose prefill is chunked: it
+            # rewinds the request's generator, which a CPU generator cannot do ("CPU Generator does
+            # not use offset"). Unchunked, a prompt is prefilled in one step (the batch budget
+            # rises to max_model_len).
+            cmd += ["--no-enable-chunked-prefill"]
         if self.sleep_mode:
             cmd += ["--enable-sleep-mode"]
         if c.data_parallel_size > 1:
