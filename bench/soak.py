@@ -9,6 +9,7 @@ the peak) and of the measured part, where a leak shows as growth; what the endpo
 
     uv run python bench/soak.py                 # 10 minutes
     uv run python bench/soak.py --minutes 1     # what the test suite runs (tests/test_soak.py)
+    uv run python bench/soak.py --minutes 30 --plot soak.png --json soak.json
 
 Exit status 1 when a request failed or RSS grew by more than `--rss-bound-mib`.
 """
@@ -57,11 +58,23 @@ class SoakReport(BaseModel):
     latency_p99_s: float
     rss_warmup_peak_mib: float  # peak RSS of the warm-up, its training step included
     rss_peak_mib: float  # peak RSS of the measured part: a leak shows as growth over the warm-up's
+    rss_by_minute_mib: list[float]  # median RSS of each measured minute: a leak shows as a slope
     endpoint: dict[str, float]
 
     @property
     def rss_growth_mib(self) -> float:
         return self.rss_peak_mib - self.rss_warmup_peak_mib
+
+    @property
+    def rss_slope_mib_per_hour(self) -> float:
+        """Theil-Sen slope (the median of every pairwise slope) of the per-minute medians; 0 with
+        fewer than 3 minutes. Medians, and a median of slopes, because a training step's activation
+        peak comes and goes and one odd minute must not tilt the line; a leak stays."""
+        ys = self.rss_by_minute_mib
+        if len(ys) < 3:
+            return 0.0
+        pairs = [(ys[j] - ys[i]) / (j - i) for i in range(len(ys)) for j in range(i + 1, len(ys))]
+        return 60 * statistics.median(pairs)
 
 
 def rss_mib() -> float:
@@ -191,6 +204,8 @@ async def soak(
     await asyncio.gather(*workers, asyncio.create_task(trainer()), sampler)
     elapsed = time.perf_counter() - t0
     q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
+    measured = [m for was_measured, m in rss if was_measured]
+    by_minute = [statistics.median(measured[i : i + 60]) for i in range(0, len(measured), 60)]
     return SoakReport(
         seconds=elapsed,
         rollouts=rollouts,
@@ -200,9 +215,33 @@ async def soak(
         latency_p50_s=q[49],
         latency_p99_s=q[98],
         rss_warmup_peak_mib=max(m for measured, m in rss if not measured),
-        rss_peak_mib=max(m for measured, m in rss if measured),
+        rss_peak_mib=max(measured),
+        rss_by_minute_mib=by_minute,
         endpoint=endpoint,
     )
+
+
+def plot(report: SoakReport, path: Path) -> None:
+    """Median RSS per measured minute, with the warm-up's peak as a reference line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    minutes = range(1, len(report.rss_by_minute_mib) + 1)
+    ax.plot(minutes, report.rss_by_minute_mib, marker="o", label="median RSS of the minute")
+    ax.axhline(report.rss_warmup_peak_mib, color="grey", linestyle="--", label="warm-up peak")
+    ax.set(
+        xlabel="minute",
+        ylabel="RSS (MiB)",
+        title=f"soak: {report.rollouts} rollouts, "
+        f"{sum(report.errors.values())} errors, {report.rss_slope_mib_per_hour:+.0f} MiB/h",
+    )
+    ax.legend(loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def show(report: SoakReport) -> str:
@@ -211,6 +250,8 @@ def show(report: SoakReport) -> str:
         f"{sum(report.errors.values())} errors, {report.train_steps} train steps; latency p50 "
         f"{report.latency_p50_s:.2f} s p99 {report.latency_p99_s:.2f} s; peak RSS {report.rss_warmup_peak_mib:.0f} "
         f"MiB in warm-up -> {report.rss_peak_mib:.0f} MiB measured ({report.rss_growth_mib:+.0f}); "
+        f"median RSS by minute {report.rss_by_minute_mib[0]:.0f} -> {report.rss_by_minute_mib[-1]:.0f} MiB, "
+        f"slope {report.rss_slope_mib_per_hour:+.0f} MiB/h; "
         f"endpoint {json.dumps(report.endpoint)}"
         + (f"\nerrors: {json.dumps(report.errors, indent=1)}" if report.errors else "")
     )
@@ -223,6 +264,8 @@ async def main() -> int:
     p.add_argument("--train-every-s", type=float, default=60.0)
     p.add_argument("--warmup-s", type=float, default=20.0)
     p.add_argument("--rss-bound-mib", type=float, default=512.0)
+    p.add_argument("--plot", type=Path, help="write the RSS-by-minute plot (PNG) here")
+    p.add_argument("--json", type=Path, help="write the report (JSON) here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as run:
         backend = jm.LocalBackend(path=Path(run))
@@ -239,6 +282,10 @@ async def main() -> int:
         finally:
             backend.close()
     print(show(report))
+    if args.plot:
+        plot(report, args.plot)
+    if args.json:
+        args.json.write_text(report.model_dump_json(indent=1))
     bad = sum(report.errors.values()) > 0 or report.rss_growth_mib > args.rss_bound_mib
     return 1 if bad else 0
 
