@@ -14,8 +14,9 @@ hot-loaded as step 1, as after a training step. Two arms send it the same rollou
 A rollout is two chat turns: a system prompt and a request for a long essay, the answer, a follow-up
 user turn, the second answer, each turn at most `--max-tokens`. Same prompts and sampling params
 (temperature 1) in both arms; the bench checks that both render the first prompt to the same token
-ids. No seeds: vLLM 0.32's CPU build kills its engine when a seeded request's prefill is split over
-two steps (chunked prefill, as at 32 rollouts in flight: "CPU Generator does not use offset"). No tools: Journeyman's forced-call grammar (and the rescore prefill it needs for honest
+ids. No seeds, so the two arms draw alike. (Seeds are safe since the CPU server runs without chunked
+prefill: with it, vLLM 0.32's CPU build killed its engine on a seeded prefill split over two steps.)
+No tools: Journeyman's forced-call grammar (and the rescore prefill it needs for honest
 logprobs) and vLLM's own tool machinery are not the same work, so they would not compare overhead.
 Neither arm ignores EOS (the endpoint does not forward vLLM's `ignore_eos`), so the completion
 token counts of both arms are printed, and the share of turns cut at max_tokens (the prompt asks

@@ -113,7 +113,8 @@ class TrainConfig(BaseModel):
     )
     autocast_bf16: bool = Field(
         default=False,
-        description="bf16 autocast for the forward pass (4x matmul rate on this CPU; logprobs drift)",
+        description="bf16 autocast for the forward pass: faster only where bf16 matmuls are (GPUs, CPUs "
+        "with AMX; bench/bf16_step.py tells), and the engine/trainer logprob gap grows",
     )
 
     @model_validator(mode="after")
@@ -163,7 +164,8 @@ class SFTConfig(OwnErrorsModel):
     )
     seed: int = Field(default=0, description="seed of each epoch's shuffle of the trajectories")
     autocast_bf16: bool = Field(
-        default=False, description="bf16 autocast for the forward pass (faster on CPUs with bf16 matmul)"
+        default=False,
+        description="bf16 autocast for the forward pass: faster only where bf16 matmuls are (bench/bf16_step.py)",
     )
 
     @field_validator("epochs", "batch_size")
