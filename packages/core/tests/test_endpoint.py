@@ -359,6 +359,36 @@ async def test_a_request_arriving_mid_batch_joins_it_and_is_answered_first(serve
         engine.close()
 
 
+async def test_a_burst_handed_over_one_by_one_samples_as_one_batch(served) -> None:
+    """The endpoint hands a burst of requests to the engine a few ms apart (it renders each in
+    turn). A new batch gathers until none has come for `batch_wait_s`, so the burst samples as one
+    batch, not the first request alone and the rest after it; a longer gap starts another batch."""
+    from journeyman.engine.base import SamplingParams
+    from journeyman.engine.torch_engine import TorchEngine
+
+    model, backend = served
+    policy = backend.service(model).policy
+    engine = TorchEngine(policy, stop_ids=set(), batch_wait_s=0.05)
+    prompt = list(
+        policy.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, return_dict=False
+        )
+    )
+
+    async def after(seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        await engine.generate(prompt, SamplingParams(max_tokens=2, seed=1))
+
+    try:
+        # 8 requests 15 ms apart: 105 ms from first to last, past a fixed 50 ms window from the first
+        await asyncio.gather(*(after(0.015 * i) for i in range(8)))
+        assert engine.batches == 1
+        await asyncio.gather(after(0.0), after(0.3))  # 300 ms apart: two batches
+        assert engine.batches == 3
+    finally:
+        engine.close()
+
+
 async def test_a_training_step_gets_the_weights_from_an_engine_that_never_runs_dry(served, tmp_path) -> None:
     """Requests queue faster than batches end (more than a batch holds, each answered one re-sent,
     so rows keep joining the running batch): a step (`editing`) and its checkpoint (`save`) still

@@ -114,7 +114,8 @@ class TorchEngine(Engine):
         policy: LoraPolicy,
         stop_ids: set[int],
         max_batch_rows: int = 64,
-        batch_wait_s: float = 0.02,
+        batch_wait_s: float = 0.05,
+        batch_wait_max_s: float = 0.25,
         continuous: bool = False,
         join_fraction: float = 0.25,
         join_wait_s: float = 1.0,
@@ -136,7 +137,12 @@ class TorchEngine(Engine):
         self.tokenizer = policy.tokenizer
         self.stop_ids = stop_ids
         self.max_batch_rows = max_batch_rows
+        # A new batch gathers requests until none has arrived for `batch_wait_s`, for at most
+        # `batch_wait_max_s`. The endpoint hands a burst over one by one (rendering each takes a few
+        # ms), so a fixed window from the first request split 32 concurrent rollouts into batches
+        # of 1 and 31, and the 31 waited for the first to finish decoding.
         self.batch_wait_s = batch_wait_s
+        self.batch_wait_max_s = batch_wait_max_s
         self.step = 0
         self.batches = 0
         self.prefix_computes = 0  # times a shared prompt prefix was prefilled (not found cached)
@@ -238,10 +244,11 @@ class TorchEngine(Engine):
 
     def _take(self, carry: list[_Job], room: int, wait: bool) -> list[_Job] | None:
         """Jobs for up to `room` rows: with `wait`, block for the first, then gather what arrives
-        within `batch_wait_s`; without, only what is queued now. None: the engine is closing."""
+        until a `batch_wait_s` gap (at most `batch_wait_max_s` in all); without, only what is
+        queued now. None: the engine is closing."""
         jobs: list[_Job] = []
         rows = 0
-        deadline = time.monotonic() + self.batch_wait_s
+        deadline = last_call = 0.0
         while True:
             if carry:
                 job: _Job | None = carry.pop(0)
@@ -266,8 +273,12 @@ class TorchEngine(Engine):
             if (jobs or not wait) and rows + job.params.n > room:
                 carry.insert(0, job)
                 return jobs
+            now = time.monotonic()
+            if not jobs:
+                last_call = now + self.batch_wait_max_s
             jobs.append(job)
             rows += job.params.n
+            deadline = min(now + self.batch_wait_s, last_call)
 
     def _guarded(self, jobs: list[_Job], run: Callable[..., _Batch | None], *args: Any) -> _Batch | None:
         """Run one prefill or decode step; if it raises, the jobs it touched fail with the error
