@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from journeyman.backend import set_current_backend
 from journeyman.endpoint import ServerThread
 from journeyman.llm import LLM, LLMTimeoutError, complete_json, resolve_llm
+from journeyman.openai_http import chat_completion_body
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
@@ -42,19 +43,18 @@ class Served:
             body = await request.json()
             self.requests.append(body)
             await asyncio.sleep(self.delay)
-            return {
-                "id": "chatcmpl-1",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body["model"],
-                "choices": [
+            return chat_completion_body(
+                body["model"],
+                [
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": '{"ok": true}'},
                         "finish_reason": "stop",
                     }
                 ],
-            }
+                1,
+                1,
+            )
 
         self.server = ServerThread(app)
 

@@ -13,8 +13,6 @@ import functools
 import importlib.util
 import json
 import re
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ import journeyman as jm
 import pytest
 from fastapi import FastAPI, Request
 from journeyman.endpoint import ServerThread
+from journeyman.openai_http import chat_completion_body
 from journeyman.ruler import (
     DEFAULT_RUBRIC,
     RulerConfig,
@@ -67,16 +66,12 @@ class RuleJudge:
         elif mode == "bad_ids":
             scores[0]["trajectory_id"] = "99"
         content = "I think they are all fine." if mode == "prose" else json.dumps({"scores": scores})
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body["model"],
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
-            ],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        }
+        return chat_completion_body(
+            body["model"],
+            [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            1,
+            1,
+        )
 
 
 @pytest.fixture(scope="module")

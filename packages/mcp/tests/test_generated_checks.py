@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI, Request
 from journeyman.endpoint import ServerThread
+from journeyman.openai_http import chat_completion_body
 from journeyman_mcp.rollout import RolloutConfig, rollout
 from journeyman_mcp.scenarios import CheckTools, generate_scenarios, generation_schema
 from journeyman_mcp.server import ServerInfo, ServerSpec, SessionPool, tool_kind
@@ -90,16 +89,12 @@ class RuleGenerator:
             content = json.dumps({"scenarios": scenarios, "read_only_tools": ["list_tasks"]})
         else:
             content = json.dumps({"scenarios": scenarios})
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body["model"],
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
-            ],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        }
+        return chat_completion_body(
+            body["model"],
+            [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            1,
+            1,
+        )
 
 
 @pytest.fixture(scope="module")

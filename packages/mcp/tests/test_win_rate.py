@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -17,6 +15,7 @@ import journeyman as jm
 import pytest
 from fastapi import FastAPI, Request
 from journeyman.endpoint import ServerThread
+from journeyman.openai_http import chat_completion_body
 from journeyman_mcp.players import resolve_against
 from journeyman_mcp.rollout import COMPLETE_TOOL, RolloutConfig, system_prompt
 from journeyman_mcp.scenarios import Scenario
@@ -56,20 +55,18 @@ class PairJudge:
             return 10 if MARKER in shown[i] else 2
 
         scores = [{"trajectory_id": i, "explanation": "", "score": score(i)} for i in ids]
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body["model"],
-            "choices": [
+        return chat_completion_body(
+            body["model"],
+            [
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": json.dumps({"scores": scores})},
                     "finish_reason": "stop",
                 }
             ],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        }
+            1,
+            1,
+        )
 
 
 @pytest.fixture(scope="module")

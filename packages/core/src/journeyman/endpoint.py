@@ -12,7 +12,6 @@ import json
 import socket
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -27,7 +26,7 @@ from .chat_format import ChatFormat, SampledTurns
 from .engine import Engine, Sample, SamplingParams
 from .errors import EngineTimeoutError, InvalidFieldError, UnknownModelError
 from .messages import normalize_messages
-from .openai_http import handle_json
+from .openai_http import chat_completion_body, handle_json
 from .responses_api import add_routes as add_responses_routes
 from .types import TokenRecord
 
@@ -296,19 +295,9 @@ class Endpoint:
                     "journeyman": record.model_dump(),
                 }
             )
-        completion_tokens = sum(len(s.token_ids) for s in samples)
-        response = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(prompt_ids) + completion_tokens,
-            },
-        }
+        response = chat_completion_body(
+            name, choices, len(prompt_ids), sum(len(s.token_ids) for s in samples)
+        )
         if capture_id:
             self.captures.add(
                 capture_id,

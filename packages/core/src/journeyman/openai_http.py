@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -10,6 +12,24 @@ from fastapi.responses import JSONResponse
 
 from .capture import CAPTURE_HEADER
 from .errors import EngineDownError, EngineTimeoutError, InvalidFieldError, UnknownModelError
+
+
+def chat_completion_body(
+    model: str, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
+    """A `chat.completion` object around its choices, as api.openai.com sends it."""
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
 
 
 def error_response(
