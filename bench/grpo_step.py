@@ -50,14 +50,13 @@ async def journeyman_steps(
         train_seconds.append(time.perf_counter() - t1)
         rewards.append(result.metrics["reward"])
         m = result.metrics
-        # token positions the model ran (padding included) against the rows' own lengths: what
-        # padding costs and what running shared prompt prefixes once saves
-        forward, padded = m.get("forward_tokens", float("nan")), m.get("padded_tokens", 0.0)
+        # token positions the model ran (packed: no padding, shared prefixes once) against the
+        # rows' own lengths
         print(
             f"journeyman step {step}: {seconds[-1]:.1f}s (rollout {t1 - t0:.1f}s, train {train_seconds[-1]:.1f}s) "
             f"reward {rewards[-1]:.3f} engine/trainer gap {m.get('engine_trainer_logprob_gap', float('nan')):.2e} "
-            f"model tokens {forward:.0f} (rows {m.get('row_tokens', float('nan')):.0f}, "
-            f"trained {m.get('trained_tokens', 0.0):.0f}, padding {padded / forward:.1%})",
+            f"model tokens {m.get('forward_tokens', float('nan')):.0f} (rows {m.get('row_tokens', float('nan')):.0f}, "
+            f"trained {m.get('trained_tokens', 0.0):.0f})",
             flush=True,
         )
     backend.close()
