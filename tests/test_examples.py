@@ -108,7 +108,7 @@ def check_one_step(run_dir: Path, groups: int, group_size: int) -> list[dict[str
         for t in group["trajectories"]:
             records = [c["journeyman"] for c in t["messages_and_choices"] if "journeyman" in c]
             assert records and all(r["token_ids"] for r in records), t["messages_and_choices"]
-            assert 0.0 <= t["reward"] <= 1.0
+            assert 0.0 <= t["reward"] <= 1.1  # success, plus 0.1 for an accepted call (the examples' shaping)
         trajectories += group["trajectories"]
     return trajectories
 
