@@ -3,8 +3,9 @@
 The same rollouts (the built-in task, fixed seeds) and the same training steps, on a LocalBackend
 with `trainer=TrainerConfig(world_size=W)` and `engine_replicas=R`, for (W, R) in (1, 1), (2, 1),
 (1, 2). Prints median seconds per train step and rollout tokens/s, and each as a ratio to (1, 1).
-On a 2-core CPU expect no speed-up (both ranks share the cores, in-process replicas share the
-weights): the point is the mechanism's overhead. On N GPUs the same code gives each rank a GPU.
+On a 2-core CPU expect little speed-up (both ranks share the cores; each engine replica is a worker
+process with its own weights and half the cores): the point is the mechanism's overhead. On N GPUs
+the same code gives each rank, and each replica, a GPU.
 
     uv run python bench/scale.py --rollouts 32 --max-tokens 24 --steps 3
 """

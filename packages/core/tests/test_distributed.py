@@ -92,10 +92,17 @@ async def test_two_ranks_step_like_one_and_resume_either_way(tmp_path: Path) -> 
     again.close()
 
 
-async def test_two_replicas_serve_64_concurrent_requests_and_lose_one(tmp_path: Path) -> None:
+async def test_two_replica_processes_serve_64_requests_survive_a_kill_and_rejoin(tmp_path: Path) -> None:
+    """2 engine worker processes: 64 concurrent requests with 0 errors, each group on its home
+    replica, token-exact records; one replica SIGKILLed mid-batch fails only its own requests (a
+    503 naming it), its groups move to the other, and the next step restarts it on the new adapter."""
+    import os
+    import signal
+
     import openai
     from journeyman.endpoint import affinity_key
     from journeyman.engine.replicas import ReplicatedEngine
+    from journeyman.engine.torch_process import TorchProcessEngine
 
     backend = jm.LocalBackend(path=tmp_path, engine_replicas=2)
     model = jm.TrainableModel(name="m", project="p")
@@ -104,6 +111,8 @@ async def test_two_replicas_serve_64_concurrent_requests_and_lose_one(tmp_path: 
         service = backend.service(model)
         engine = service.engine
         assert isinstance(engine, ReplicatedEngine)
+        workers = [r for r in engine.replicas if isinstance(r, TorchProcessEngine)]
+        assert len(workers) == 2 and os.getpid() not in {w.process.pid for w in workers}
         engine.max_skew = 64  # strict affinity, to see it
         client = model.openai_client(max_retries=0)
 
@@ -115,37 +124,52 @@ async def test_two_replicas_serve_64_concurrent_requests_and_lose_one(tmp_path: 
 
         homes = {g: engine.pick(affinity_key(conversation(g))) for g in range(8)}
         assert set(homes.values()) == {0, 1}  # crc32 is fixed: these 8 groups land on both
+        on_one = [g for g, r in homes.items() if r == 1]
 
-        async def ask(g: int, seed: int) -> openai.types.chat.ChatCompletion:
+        async def ask(g: int, seed: int, max_tokens: int = 8) -> openai.types.chat.ChatCompletion:
             return await client.chat.completions.create(
                 model=model.name,
                 messages=conversation(g),
-                max_tokens=8,
+                max_tokens=max_tokens,
                 temperature=1.0,
                 seed=seed,  # type: ignore[arg-type]
             )
 
-        out = await asyncio.gather(*(ask(g, s) for g in range(8) for s in range(8)))
-        assert len(out) == 64 and engine.routed == [8 * list(homes.values()).count(r) for r in (0, 1)]
-        for c in out[::16]:  # token-exact: the trainer's logprobs of the recorded ids match
+        def exact(c: openai.types.chat.ChatCompletion) -> float:
+            """How far the trainer's logprobs of the recorded ids are from the recorded ones."""
             rec = jm.record_of(c.choices[0])
             again = service.policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids)
-            assert max(abs(a - b) for a, b in zip(again, rec.logprobs, strict=True)) < 1e-3
+            return max(abs(a - b) for a, b in zip(again, rec.logprobs, strict=True))
 
-        # replica 1 dies: its next request fails with a 503 naming it, the rest go to replica 0
-        engine.replicas[1].close()
-        on_one = next(g for g, r in homes.items() if r == 1)
-        results = await asyncio.gather(*(ask(g, 100 + g) for g in range(8)), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        assert engine.down == {1} and 1 <= len(failed) <= list(homes.values()).count(1)
-        assert all(isinstance(f, openai.APIStatusError) and f.status_code == 503 for f in failed)
-        assert (await ask(on_one, 7)).choices[0].message.content is not None
+        out = await asyncio.gather(*(ask(g, s) for g in range(8) for s in range(8)))
+        assert len(out) == 64 and engine.routed == [8 * list(homes.values()).count(r) for r in (0, 1)]
+        assert all(exact(c) < 1e-3 for c in out[::16])
+
+        # replica 1 SIGKILLed while it samples: only its requests fail, with a 503
+        burst = [asyncio.create_task(ask(g, 100 + g, max_tokens=48)) for g in range(8)]
+        while engine.in_flight[1] < len(on_one):
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)
+        os.kill(workers[1].process.pid, signal.SIGKILL)
+        results = await asyncio.gather(*burst, return_exceptions=True)
+        failed = [g for g, r in enumerate(results) if isinstance(r, BaseException)]
+        assert engine.down == {1} and failed == on_one, (failed, on_one)
+        assert all(isinstance(results[g], openai.APIStatusError) for g in failed)
+        assert {results[g].status_code for g in failed} == {503}  # type: ignore[union-attr]
+        assert "engine replica 1 is down" in str(results[on_one[0]])
+        assert (await ask(on_one[0], 7)).choices[0].message.content is not None  # served by replica 0
+
+        # the next step loads on replica 0 and restarts replica 1 on the new adapter
         groups = [
             jm.TrajectoryGroup(
                 jm.Trajectory(messages_and_choices=[*conversation(0), c.choices[0]], reward=float(i % 2))
                 for i, c in enumerate(out[:8])
             )
         ]
-        assert (await model.train(groups)).step == 1 and engine.step == 1
+        assert (await model.train(groups)).step == 1
+        assert engine.down == set() and [r.step for r in engine.replicas] == [1, 1]
+        assert engine.replicas[1] is not workers[1]
+        back = await ask(on_one[0], 8)
+        assert engine.pick(affinity_key(conversation(on_one[0]))) == 1 and exact(back) < 1e-3
     finally:
         backend.close()

@@ -115,7 +115,7 @@ class LocalBackend:
     `engine="torch"` (default) samples in process from the weights the trainer updates.
     `engine="vllm"` (or a `VLLMConfig`) samples through a vLLM server process that hot-loads each step's adapter.
     `trainer=TrainerConfig(world_size=N)` trains data-parallel on N ranks (`distributed.py`);
-    `engine_replicas=N` serves through N in-process torch engines (`engine/replicas.py`).
+    `engine_replicas=N` serves through N torch engine worker processes (`engine/torch_process.py`).
     `report_to=["wandb"]` mirrors every history row, each step's config and sample trajectories to
     Weights & Biases (`tracking.py`); off by default.
     """
@@ -175,16 +175,16 @@ class LocalBackend:
         weights = resolve_base_model(model.base_model)
         policy = LoraPolicy(weights, model.lora, device=self.device, dtype=self.dtype)
         chat_format = ChatFormat(policy.tokenizer, family=model.chat_format)
-        engine = self._make_engine(weights, policy, chat_format)
+        store = RunStore(self.run_dir(model))
+        step = store.resume_step()  # the committed step, or the newest good one if it is corrupt
+        engine = self._make_engine(weights, policy, chat_format, step, store.checkpoint_dir(step))
         context = getattr(policy.model.config, "max_position_embeddings", None)
         if self.vllm_config is not None:
             context = min(context or self.vllm_config.max_model_len, self.vllm_config.max_model_len)
         endpoint = Endpoint(
             engine, chat_format, model.name, default_max_tokens=model.max_tokens, max_context=context
         )
-        store = RunStore(self.run_dir(model))
         trainer = GRPOTrainer(policy, chat_format)
-        step = store.resume_step()  # the committed step, or the newest good one if it is corrupt
         if step > 0:  # resume: the last checkpoint's adapter and optimizer state
             ckpt = store.checkpoint_dir(step)
             policy.load(ckpt)
@@ -203,8 +203,11 @@ class LocalBackend:
             model, policy, chat_format, engine, endpoint, server, store, trainer, ranks, trackers=trackers
         )
 
-    def _make_engine(self, weights: Path, policy: LoraPolicy, chat_format: ChatFormat) -> Engine:
-        """The engine named by `engine=`; each kind's module is imported only when chosen."""
+    def _make_engine(
+        self, weights: Path, policy: LoraPolicy, chat_format: ChatFormat, step: int, checkpoint: Path
+    ) -> Engine:
+        """The engine named by `engine=`, to serve `step` (a resumed run's; its adapter is at
+        `checkpoint`); each kind's module is imported only when chosen."""
         if self.engine_kind == "vllm":
             from .engine.vllm_engine import VLLMEngine
             from .engine.vllm_server import VLLMConfig
@@ -216,17 +219,25 @@ class LocalBackend:
                 dtype=self.dtype,
                 lora_rank=policy.lora.r,
             )
-        from .engine.torch_engine import TorchEngine
+        if self.engine_replicas == 1:  # samples from the very weights the trainer updates
+            from .engine.torch_engine import TorchEngine
 
-        if self.engine_replicas == 1:
             return TorchEngine(policy, chat_format.stop_ids)
         from .engine.replicas import ReplicatedEngine
+        from .engine.torch_process import replica_specs, start_replicas
 
-        # in-process replicas share the policy's weights (and its lock): the routing, affinity and
-        # failure handling of replicas, not more compute; vLLM's replicas are data_parallel_size
-        return ReplicatedEngine(
-            [TorchEngine(policy, chat_format.stop_ids) for _ in range(self.engine_replicas)]
+        # N worker processes, each with its own weights, loading each step's checkpoint
+        specs = replica_specs(
+            weights,
+            policy.lora,
+            chat_format.stop_ids,
+            self.engine_replicas,
+            dtype=self.dtype,
+            device=self.device,
+            adapter=checkpoint if step > 0 else None,
+            step=step,
         )
+        return ReplicatedEngine(start_replicas(specs))
 
     def service(self, model: ModelConfig | str) -> _Service:
         """The in-process parts serving `model` (engine, policy, chat format): for tests and benches."""

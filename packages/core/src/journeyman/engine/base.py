@@ -74,3 +74,8 @@ class Engine(ABC):
     @property
     def requests_served(self) -> int:
         return 0
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine can serve nothing more (closed, or its process gone)."""
+        return True

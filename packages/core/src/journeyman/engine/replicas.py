@@ -6,7 +6,8 @@ the same live replica, whose prefix cache then serves the whole group. When that
 than the least-loaded one by more than `max_skew` requests, the request goes to the least loaded.
 A replica whose request fails with `EngineDownError` is taken out of rotation: its in-flight
 requests fail with that error (an agent's rollout raises, counted by `max_exceptions`), the others
-continue; every new step's adapter is loaded on each live replica.
+continue; every new step's adapter is loaded on each live replica, and a replica that runs as a
+worker process (`torch_process`) and went down is started afresh on that adapter and rejoins.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ class ReplicatedEngine(Engine):
         self.step = self.replicas[0].step
 
     def live(self) -> list[int]:
+        for i, r in enumerate(self.replicas):
+            if i not in self.down and not r.alive:  # a worker that died between requests
+                self.down.add(i)
+                log.error(
+                    "engine replica %d is down; %d replicas left", i, len(self.replicas) - len(self.down)
+                )
         return [i for i in range(len(self.replicas)) if i not in self.down]
 
     def pick(self, affinity: str | None) -> int:
@@ -62,17 +69,35 @@ class ReplicatedEngine(Engine):
             self.in_flight[i] -= 1
 
     async def load_adapter(self, path: Path, step: int) -> None:
-        live = self.live()
+        live, dead = self.live(), sorted(self.down)
         results = await asyncio.gather(
-            *(self.replicas[i].load_adapter(path, step) for i in live), return_exceptions=True
+            *(self.replicas[i].load_adapter(path, step) for i in live),
+            *(self._restart(i, path, step) for i in dead),
+            return_exceptions=True,
         )
-        for i, res in zip(live, results, strict=True):
+        for i, res in zip(live, results, strict=False):
             if isinstance(res, BaseException):
                 self.down.add(i)
                 log.error("engine replica %d could not load step %d (%s): out of rotation", i, step, res)
+        for i, res in zip(dead, results[len(live) :], strict=True):
+            if isinstance(res, BaseException):
+                log.error("engine replica %d could not be restarted (%s): still out of rotation", i, res)
         if not self.live():
             raise EngineDownError(f"no engine replica could load the adapter of step {step}")
         self.step = step
+
+    async def _restart(self, i: int, path: Path, step: int) -> None:
+        """A down replica that can be started afresh (a worker process) is, serving `path`."""
+        from .torch_process import TorchProcessEngine
+
+        old = self.replicas[i]
+        if not isinstance(old, TorchProcessEngine):
+            raise EngineDownError(f"engine replica {i} ({type(old).__name__}) cannot be restarted")
+        fresh = await asyncio.to_thread(old.restarted, path, step)
+        await asyncio.to_thread(fresh.wait_ready)
+        self.replicas[i] = fresh
+        self.down.discard(i)
+        log.warning("engine replica %d restarted on step %d; back in rotation", i, step)
 
     async def sleep(self) -> None:
         await asyncio.gather(*(self.replicas[i].sleep() for i in self.live()))

@@ -163,6 +163,10 @@ class TorchEngine(Engine):
     def requests_served(self) -> int:
         return self._served
 
+    @property
+    def alive(self) -> bool:
+        return not self._closed
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
         constraint = params.constraint
         if constraint is not None:
@@ -187,6 +191,10 @@ class TorchEngine(Engine):
         """Stop the worker; requests still queued fail with EngineDownError instead of waiting."""
         self._closed = True
         self._queue.put(None)
+
+    def join(self, timeout: float) -> None:
+        """Wait for the worker thread to finish after `close`."""
+        self._thread.join(timeout)
 
     # -- worker thread ---------------------------------------------------------------------------
 
