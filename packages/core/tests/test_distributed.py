@@ -79,7 +79,7 @@ async def test_two_ranks_step_like_one_and_resume_either_way(tmp_path: Path) -> 
         assert ranks is not None
         for p in ranks._procs:
             p.kill()
-            p.join(timeout=10)
+            p.wait(timeout=10)
         with pytest.raises(jm.TrainerRankError, match="exited"):
             await model2.train(groups, config=config)
     finally:

@@ -22,9 +22,10 @@ import contextlib
 import datetime
 import io
 import json
-import multiprocessing as mp
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -80,14 +81,15 @@ class RankGroup:
         self.config, self.policy, self.trainer = config, policy, trainer
         self.world = config.world_size
         self._n = 0
-        self._procs: list[Any] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
         self._dir: str | None = None
         timeout = datetime.timedelta(seconds=config.timeout_s)
         if config.master_addr is None:  # spawn the ranks here; the store is a private file
             self._dir = tempfile.mkdtemp(prefix="journeyman-ranks-")
             store_file = os.path.join(self._dir, "store")
             store = dist.FileStore(store_file, self.world)  # pyright: ignore[reportPrivateImportUsage]
-            ctx = mp.get_context("spawn")
+            # `python -m`, not multiprocessing: its spawn re-runs the user's script in each child
+            # (training scripts rarely guard `asyncio.run(main())`), which then fails or recurses.
             for rank in range(1, self.world):
                 spec = _WorkerSpec(
                     rank=rank,
@@ -100,9 +102,8 @@ class RankGroup:
                     trainer=config.model_dump(),
                     parent=os.getpid(),
                 )
-                proc = ctx.Process(target=_spawned_worker, args=(spec.model_dump(),), daemon=True)
-                proc.start()
-                self._procs.append(proc)
+                cmd = [sys.executable, "-m", __name__, "--spawned", spec.model_dump_json()]
+                self._procs.append(subprocess.Popen(cmd))
         else:
             store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
                 config.master_addr, config.master_port or 29500, self.world, is_master=True, timeout=timeout
@@ -111,10 +112,10 @@ class RankGroup:
         self.sync()
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self._procs)
+        return all(p.poll() is None for p in self._procs)
 
     def _post(self, job: dict[str, Any], payload: bytes = b"") -> None:
-        dead = [p.exitcode for p in self._procs if not p.is_alive()]
+        dead = [code for p in self._procs if (code := p.poll()) is not None]
         if dead:
             raise TrainerRankError(f"{len(dead)} trainer rank(s) exited (codes {dead})")
         self._n += 1
@@ -140,9 +141,11 @@ class RankGroup:
             with contextlib.suppress(TrainerRankError):  # a dead rank needs no stop
                 self._post({"kind": "stop"})
             for p in self._procs:
-                p.join(timeout=30)
-                if p.is_alive():
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
                     p.kill()
+                    p.wait(timeout=10)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -159,10 +162,10 @@ class _WorkerSpec(BaseModel):
     parent: int | None = None
 
 
-def _spawned_worker(spec: dict[str, Any]) -> None:
+def _spawned_worker(spec: str) -> None:
     import torch.distributed as dist
 
-    s = _WorkerSpec.model_validate(spec)
+    s = _WorkerSpec.model_validate_json(spec)
     store = dist.FileStore(s.store_file or "", s.world)  # pyright: ignore[reportPrivateImportUsage]
     parent = s.parent
     run_worker(s, store, alive=lambda: os.getppid() == parent and _reachable(store))
@@ -196,12 +199,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     import torch.distributed as dist
 
     p = argparse.ArgumentParser(prog="python -m journeyman.distributed", description=main.__doc__)
-    p.add_argument("--base-model", required=True, help="the same base model directory as rank 0's")
+    p.add_argument("--spawned", help=argparse.SUPPRESS)  # a rank the backend started on this machine
+    p.add_argument("--base-model", help="the same base model directory as rank 0's")
     p.add_argument("--lora-r", type=int, default=LoraConfig().r)
     p.add_argument("--lora-alpha", type=int, default=LoraConfig().alpha)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
+    if args.spawned is not None:
+        _spawned_worker(args.spawned)
+        return
+    if args.base_model is None:
+        p.error("--base-model is required")
     config = TrainerConfig.from_env()
     if config.rank == 0 or config.master_addr is None:
         raise SystemExit("run rank 0 as your training script with trainer=TrainerConfig.from_env()")
