@@ -173,3 +173,71 @@ async def test_two_replica_processes_serve_64_requests_survive_a_kill_and_rejoin
         assert engine.pick(affinity_key(conversation(on_one[0]))) == 1 and exact(back) < 1e-3
     finally:
         backend.close()
+
+
+_RANK0_SCRIPT = """
+import asyncio, sys
+import journeyman as jm
+from journeyman import tasks
+
+async def main() -> None:  # unguarded on purpose: nothing may re-run this script in another rank
+    backend = jm.LocalBackend(path=sys.argv[1], trainer=jm.TrainerConfig.from_env())
+    model = jm.TrainableModel(name="m", project="p")
+    await model.register(backend)
+    client = model.openai_client()
+    groups = await jm.gather_trajectory_groups(
+        (jm.TrajectoryGroup(tasks.rollout(model, client, s, max_tokens=8) for _ in range(2))
+         for s in tasks.scenarios("train", 2)),
+        pbar_desc=None,
+    )
+    for g in groups:
+        for i, t in enumerate(g.trajectories):
+            t.reward = float(i)
+    result = await model.train(groups, config=jm.TrainConfig(micro_batch_tokens=64))
+    print("world", backend.trainer_config.world_size, "step", result.step, flush=True)
+    backend.close()
+
+asyncio.run(main())
+"""
+
+
+def test_torchrun_on_two_nodes_over_loopback(tmp_path: Path) -> None:
+    """The several-node path, as docs/scale.md gives it: two torchrun agents (node 0 runs the
+    training script, node 1 the worker module) meet at MASTER_ADDR:MASTER_PORT, train a step
+    together, and both exit cleanly when the script closes its backend."""
+    import socket
+    import subprocess
+    import sys
+
+    from journeyman.weights import resolve_base_model
+
+    with socket.socket() as s:  # a free port on loopback for torchrun's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "train.py"
+    script.write_text(_RANK0_SCRIPT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    where = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    base = str(resolve_base_model(jm.TrainableModel(name="m", project="p").base_model))
+    node1 = subprocess.Popen(
+        [*torchrun, "--node-rank", "1", *where, "-m", "journeyman.distributed", "--base-model", base],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        node0 = subprocess.run(
+            [*torchrun, "--node-rank", "0", *where, str(script), str(tmp_path / "run")],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert node0.returncode == 0, node0.stderr[-3000:]
+        assert "world 2 step 1" in node0.stdout
+        out, _ = node1.communicate(timeout=60)
+        assert node1.returncode == 0, out[-3000:]
+    finally:
+        node1.kill()
+    assert (
+        tmp_path / "run" / "p" / "models" / "m" / "checkpoints" / "0001" / "adapter_model.safetensors"
+    ).exists()

@@ -104,9 +104,13 @@ class RankGroup:
                 )
                 cmd = [sys.executable, "-m", __name__, "--spawned", spec.model_dump_json()]
                 self._procs.append(subprocess.Popen(cmd))
-        else:
+        else:  # torchrun's agent on node 0 already hosts a store on MASTER_PORT: join it, as torch does
             store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-                config.master_addr, config.master_port or 29500, self.world, is_master=True, timeout=timeout
+                config.master_addr,
+                config.master_port or 29500,
+                self.world,
+                is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                timeout=timeout,
             )
         self.collective = Collective(store, 0, self.world, policy.device, config)
         self.sync()
@@ -137,15 +141,15 @@ class RankGroup:
         return self.trainer.step(groups, config, on_progress, collective=self.collective)
 
     def close(self) -> None:
-        if self._procs:
-            with contextlib.suppress(TrainerRankError):  # a dead rank needs no stop
-                self._post({"kind": "stop"})
-            for p in self._procs:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=10)
+        # every rank stops, spawned here or started by torchrun (whose agents wait for all to exit)
+        with contextlib.suppress(TrainerRankError):  # a dead rank needs no stop
+            self._post({"kind": "stop"})
+        for p in self._procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
