@@ -18,8 +18,9 @@ import pytest
 from fastapi import FastAPI, Request
 from journeyman.backend import set_current_backend
 from journeyman.endpoint import ServerThread
-from journeyman.llm import LLM, LLMTimeoutError, complete_json, resolve_llm
+from journeyman.llm import LLM, LLMTimeoutError, chat_client, complete_json, resolve_llm
 from journeyman.openai_http import chat_completion_body
+from openai.types.chat import ChatCompletion
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
@@ -177,8 +178,22 @@ async def test_litellm_spec_and_call(monkeypatch: pytest.MonkeyPatch) -> None:
 
     async def acompletion(**kwargs: Any) -> Any:
         calls.append(kwargs)
-        message = types.SimpleNamespace(content='{"ok": true}')
-        return types.SimpleNamespace(choices=[types.SimpleNamespace(message=message, finish_reason="stop")])
+        # LiteLLM's ModelResponse is a pydantic model in OpenAI's chat.completion shape
+        return ChatCompletion.model_validate(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 0,
+                "model": kwargs["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": '{"ok": true}'},
+                    }
+                ],
+            }
+        )
 
     monkeypatch.setitem(sys.modules, "litellm", types.SimpleNamespace(acompletion=acompletion))
     llm = await resolve_llm("anthropic/claude-sonnet-4-5", api_key="k")
@@ -194,6 +209,9 @@ async def test_litellm_spec_and_call(monkeypatch: pytest.MonkeyPatch) -> None:
     fmt = calls[0]["response_format"]["json_schema"]
     assert fmt["schema"] == SCHEMA and fmt["strict"] is False  # providers differ in strict keywords
     assert calls[0]["api_key"] == "k" and calls[0]["temperature"] == 0 and calls[0]["timeout"] > 0
+    # a LiteLLM player (mcp-rl's --against) goes through the same client, key included
+    reply = await chat_client(llm, timeout=5).chat.completions.create(model=llm.model, messages=[])
+    assert reply.choices[0].message.content == '{"ok": true}' and calls[1]["api_key"] == "k"
 
 
 async def test_complete_json_sends_the_schema(backend: StandIn, served: Served) -> None:

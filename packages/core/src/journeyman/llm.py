@@ -34,6 +34,8 @@ from .errors import InvalidFieldError, JourneymanError
 from .model import TrainableModel
 
 if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletion
+
     from .backend import Backend
 
 LLMSpec = str | ModelConfig
@@ -197,6 +199,37 @@ async def complete_json(
         raise LLMTimeoutError(llm.identity, timeout) from e
 
 
+class LiteLLMChat:
+    """`chat.completions.create` over LiteLLM, answering OpenAI's own `ChatCompletion` type, so
+    code written against an `AsyncOpenAI` client (a rollout, a judge) runs on any LiteLLM model."""
+
+    def __init__(self, llm: LLM, timeout: float) -> None:
+        self.llm, self.timeout = llm, timeout
+        self.chat = self
+        self.completions = self
+
+    async def create(self, **kwargs: Any) -> ChatCompletion:
+        from openai.types.chat import ChatCompletion
+
+        litellm = _import_litellm("llm", self.llm.model)
+        if self.llm.api_key:
+            kwargs.setdefault("api_key", self.llm.api_key)
+        resp = await litellm.acompletion(timeout=self.timeout, **kwargs)
+        return ChatCompletion.model_validate(resp.model_dump())  # LiteLLM's ModelResponse is OpenAI-shaped
+
+    async def close(self) -> None:
+        """Nothing held: LiteLLM pools its own connections."""
+
+
+def chat_client(llm: LLM, timeout: float = DEFAULT_TIMEOUT_S) -> Any:
+    """A client with OpenAI's `chat.completions.create` for `llm`, whichever kind it is."""
+    if llm.kind == "litellm":
+        return LiteLLMChat(llm, timeout)
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, timeout=timeout)
+
+
 async def _complete(
     llm: LLM,
     messages: list[dict[str, Any]],
@@ -204,27 +237,13 @@ async def _complete(
     params: dict[str, Any],
     timeout: float,
 ) -> tuple[str, str | None]:
-    if llm.kind == "litellm":
-        litellm = _import_litellm("llm", llm.model)
-        extra = {"api_key": llm.api_key} if llm.api_key else {}
-        resp = await litellm.acompletion(
-            model=llm.model,
-            messages=messages,
-            response_format=response_format,
-            timeout=timeout,
-            **extra,
-            **params,
+    client = chat_client(llm, timeout)
+    try:
+        resp = await client.chat.completions.create(
+            model=llm.model, messages=messages, response_format=response_format, **params
         )
-    else:
-        from openai import AsyncOpenAI
-
-        async with AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, timeout=timeout) as client:
-            resp = await client.chat.completions.create(
-                model=llm.model,
-                messages=messages,  # type: ignore[arg-type]
-                response_format=response_format,  # type: ignore[arg-type]
-                **params,
-            )
+    finally:
+        await client.close()
     choice = resp.choices[0]
     return choice.message.content or "", choice.finish_reason
 
@@ -234,6 +253,8 @@ __all__ = [
     "LLM",
     "LLMSpec",
     "LLMTimeoutError",
+    "LiteLLMChat",
+    "chat_client",
     "complete_json",
     "resolve_llm",
     "spec_label",

@@ -12,9 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import journeyman as jm
-from journeyman.llm import DEFAULT_TIMEOUT_S, resolve_llm
-from openai import AsyncOpenAI
-from openai.types.chat import ChatCompletion
+from journeyman.llm import DEFAULT_TIMEOUT_S, chat_client, resolve_llm
 
 BASE = "base"
 """`--against base`: the policy's base model (step 0), served by the policy's own engine."""
@@ -31,22 +29,6 @@ class Player:
     label: str
 
 
-class LiteLLMChat:
-    """`chat.completions.create` over LiteLLM, answering OpenAI's own `ChatCompletion` type, so a
-    LiteLLM baseline goes through `rollout` unchanged."""
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self.chat = self
-        self.completions = self
-
-    async def create(self, **kwargs: Any) -> ChatCompletion:
-        import litellm  # pyright: ignore[reportMissingImports] - resolve_llm has checked it is installed
-
-        resp = await litellm.acompletion(timeout=self.timeout, **kwargs)
-        return ChatCompletion.model_validate(resp.model_dump())
-
-
 def policy_player(model: jm.TrainableModel, label: str | None = None) -> Player:
     return Player(model=model.name, client=model.openai_client(), label=label or f"local:{model.name}")
 
@@ -61,7 +43,4 @@ async def resolve_against(
     """The player `--against` names (not "base" or "none", which the caller handles: they need the
     policy). Errors name the field `against` / `against_model`."""
     llm = await resolve_llm(spec, model, backend=backend, field="against")
-    if llm.kind == "litellm":
-        return Player(model=llm.model, client=LiteLLMChat(timeout), label=llm.identity)
-    client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, timeout=timeout)
-    return Player(model=llm.model, client=client, label=llm.identity)
+    return Player(model=llm.model, client=chat_client(llm, timeout), label=llm.identity)

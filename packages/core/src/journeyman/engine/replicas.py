@@ -94,7 +94,11 @@ class ReplicatedEngine(Engine):
         if not isinstance(old, TorchProcessEngine):
             raise EngineDownError(f"engine replica {i} ({type(old).__name__}) cannot be restarted")
         fresh = await asyncio.to_thread(old.restarted, path, step)
-        await asyncio.to_thread(fresh.wait_ready)
+        try:
+            await asyncio.to_thread(fresh.wait_ready)
+        except BaseException:
+            fresh.close()
+            raise
         self.replicas[i] = fresh
         self.down.discard(i)
         log.warning("engine replica %d restarted on step %d; back in rotation", i, step)
