@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Literal
 
 import journeyman as jm
 import pytest
@@ -35,8 +35,10 @@ APIS = ["responses", "chat_completions"]
 
 
 @function_tool
-def get_weather(city: str) -> str:
+def get_weather(city: Literal["Paris", "Tokyo", "Lima", "Oslo"]) -> str:
     """Current weather for a city."""
+    # An enum, not any string: at temperature 1 the 135M model's free-text argument could run past
+    # max_tokens, cutting the forced call off, and the run then ended after one LLM call.
     return f"It is sunny and 21 C in {city}."
 
 
@@ -47,8 +49,8 @@ def _weather_agent(**settings: Any) -> Agent[Any]:
         tools=[get_weather],
         # the 135M model rarely calls tools on its own: force the first call (grammar-constrained);
         # reset_tool_choice (the SDK default) lets the next turn answer freely.
-        # 64, not 40: the forced call's free-text argument can run long at temperature 1, and a streamed
-        # Responses run that hits max_tokens ends `response.incomplete`, which the SDK raises on.
+        # 64, not 40: a streamed Responses run whose answer hits max_tokens ends `response.incomplete`,
+        # which the SDK raises on.
         model_settings=ModelSettings(tool_choice="required", max_tokens=64, **settings),
     )
 
