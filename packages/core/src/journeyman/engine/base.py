@@ -6,10 +6,12 @@ The in-process torch engine (`torch_engine`) and the vLLM engine sit behind this
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -79,3 +81,24 @@ class Engine(ABC):
     def alive(self) -> bool:
         """False once the engine can serve nothing more (closed, or its process gone)."""
         return True
+
+
+def hand_over(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future[Any],
+    result: Any = None,
+    error: BaseException | None = None,
+) -> None:
+    """Settle `future` (with `error` if given, else `result`) from another thread, on its own loop.
+    A future already settled (its caller timed out) or a loop closed meanwhile wants nothing."""
+
+    def settle() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(settle)

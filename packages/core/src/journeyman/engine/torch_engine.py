@@ -34,7 +34,7 @@ from transformers import DynamicCache, StaticCache
 from ..adapter import LoraPolicy, cache_kv
 from ..errors import EngineDownError
 from ..tokenize import MIN_SHARED_PREFIX, common_prefix_length
-from .base import Engine, FinishReason, Sample, SamplingParams
+from .base import Engine, FinishReason, Sample, SamplingParams, hand_over
 
 log = logging.getLogger("journeyman.engine")
 
@@ -295,7 +295,7 @@ class TorchEngine(Engine):
             return run(*args)
         except Exception as e:
             for j in list(jobs):
-                _answer(j, _set_exception, e)
+                hand_over(j.loop, j.future, error=e)
             self._running = [j for j in self._running if j not in jobs]
             return None
 
@@ -309,7 +309,7 @@ class TorchEngine(Engine):
             if job is not None:
                 carry.append(job)
         for j in carry:
-            _answer(j, _set_exception, down)
+            hand_over(j.loop, j.future, error=down)
 
     @torch.inference_mode()
     def _prefill(self, jobs: list[_Job]) -> _Batch:
@@ -438,7 +438,7 @@ class TorchEngine(Engine):
         if job.left == 0:
             self._served += 1
             self._running = [j for j in self._running if j is not job]
-            _answer(job, _set_result, [s for s in job.samples if s is not None])
+            hand_over(job.loop, job.future, [s for s in job.samples if s is not None])
 
     def _shared_prefix(
         self, prompts: list[tuple[int, ...]]
@@ -542,19 +542,3 @@ def _generator(seed: int | None, k: int, device: torch.device) -> torch.Generato
     g = torch.Generator(device=device)
     g.manual_seed(seed * 1_000_003 + k)
     return g
-
-
-def _answer(job: _Job, set_: Any, value: Any) -> None:
-    """Hand a result to the requester's event loop; one that has closed meanwhile wants none."""
-    with contextlib.suppress(RuntimeError):
-        job.loop.call_soon_threadsafe(set_, job.future, value)
-
-
-def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future[Any], e: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(e)

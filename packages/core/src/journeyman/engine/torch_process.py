@@ -33,7 +33,7 @@ from pydantic import BaseModel
 
 from ..config import LoraConfig
 from ..errors import EngineDownError, EngineTimeoutError, InvalidFieldError, JourneymanError
-from .base import Engine, Sample, SamplingParams
+from .base import Engine, Sample, SamplingParams, hand_over
 
 log = logging.getLogger("journeyman.engine")
 
@@ -191,8 +191,7 @@ class TorchProcessEngine(Engine):
                 with self._lock:
                     entry = self._pending.pop(reply.id, None)
                 if entry is not None:  # None: cancelled meanwhile
-                    loop, future = entry
-                    loop.call_soon_threadsafe(_settle, future, reply)
+                    hand_over(*entry, reply)
         except (EOFError, OSError):
             pass
         except Exception:
@@ -203,7 +202,7 @@ class TorchProcessEngine(Engine):
             self._down = self._down or why
             pending, self._pending = self._pending, {}
         for loop, future in pending.values():
-            loop.call_soon_threadsafe(_fail, future, EngineDownError(f"{self.name} is down: {why}"))
+            hand_over(loop, future, error=EngineDownError(f"{self.name} is down: {why}"))
         if pending:
             log.error("%s is down (%s): %d requests failed", self.name, why, len(pending))
 
@@ -240,16 +239,6 @@ def start_replicas(specs: list[WorkerSpec]) -> list[TorchProcessEngine]:
             e.close()
         raise
     return engines
-
-
-def _settle(future: asyncio.Future[_Reply], reply: _Reply) -> None:
-    if not future.done():
-        future.set_result(reply)
-
-
-def _fail(future: asyncio.Future[_Reply], error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)
 
 
 def _raised(name: str, f: _Failure) -> Exception:
