@@ -24,6 +24,15 @@ def test_micro_batches_are_shared_by_tokens() -> None:
     assert balanced_share([5], 1, 2) == []  # a rank may get nothing: it adds zero gradients
 
 
+def test_replica_and_rank_counts_are_checked_by_name(tmp_path: Path) -> None:
+    with pytest.raises(jm.InvalidFieldError, match="engine_replicas=0"):
+        jm.LocalBackend(path=tmp_path, engine_replicas=0)
+    with pytest.raises(jm.InvalidFieldError, match=r"engine_replicas=2: .*data_parallel_size"):
+        jm.LocalBackend(path=tmp_path, engine="vllm", engine_replicas=2)
+    with pytest.raises(jm.InvalidFieldError, match=r"trainer.rank=1: .*python -m journeyman.distributed"):
+        jm.LocalBackend(path=tmp_path, trainer=jm.TrainerConfig(world_size=2, rank=1))
+
+
 async def _register(path: Path, world_size: int) -> tuple[jm.LocalBackend, jm.TrainableModel]:
     backend = jm.LocalBackend(path=path, trainer=jm.TrainerConfig(world_size=world_size))
     model = jm.TrainableModel(name="m", project="p")

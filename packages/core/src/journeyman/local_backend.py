@@ -142,6 +142,12 @@ class LocalBackend:
             self.vllm_config, self.engine_kind = engine, "vllm"
         if engine_replicas < 1:
             raise InvalidFieldError("engine_replicas", engine_replicas, "must be >= 1")
+        if engine_replicas > 1 and self.engine_kind == "vllm":
+            raise InvalidFieldError(
+                "engine_replicas",
+                engine_replicas,
+                "is for the torch engine; vLLM runs its own replicas: VLLMConfig(data_parallel_size=N)",
+            )
         self.engine_replicas = engine_replicas
         self.report_to = check_report_to(report_to)
         self.trainer_config = trainer or TrainerConfig()
