@@ -214,15 +214,13 @@ def test_torchrun_on_two_nodes_over_loopback(tmp_path: Path) -> None:
     """The several-node path, as docs/scale.md gives it: two torchrun agents (node 0 runs the
     training script, node 1 the worker module) meet at MASTER_ADDR:MASTER_PORT, train a step
     together, and both exit cleanly when the script closes its backend."""
-    import socket
     import subprocess
     import sys
 
+    from journeyman.engine.vllm_server import free_port
     from journeyman.weights import resolve_base_model
 
-    with socket.socket() as s:  # a free port on loopback for torchrun's store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # on loopback, for torchrun's store
     script = tmp_path / "train.py"
     script.write_text(_RANK0_SCRIPT)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]

@@ -75,7 +75,7 @@ class ReplicatedEngine(Engine):
             *(self._restart(i, path, step) for i in dead),
             return_exceptions=True,
         )
-        for i, res in zip(live, results, strict=False):
+        for i, res in zip(live, results[: len(live)], strict=True):
             if isinstance(res, BaseException):
                 self.down.add(i)
                 log.error("engine replica %d could not load step %d (%s): out of rotation", i, step, res)

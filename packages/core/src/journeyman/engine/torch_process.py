@@ -9,9 +9,9 @@ a replica that crashes or is killed loses only the requests it held: they fail w
 A worker is `python -m journeyman.engine.torch_process`, not a multiprocessing child: spawn would
 re-run the user's script in it (training scripts rarely guard `asyncio.run(main())`). The wire is a
 socket pair carrying length-framed JSON (`WorkerSpec` first, then `_Call` down and `_Reply` up): no
-port to guard, no pickled data, and a dead worker is an EOF on the parent's side at once. Sampling is bounded by
-the endpoint's `request_timeout_s` (a cancelled request is cancelled in the worker too); starting
-and loading an adapter by this module's own timeouts.
+port to guard, no pickled data, and a dead worker is an EOF on the parent's side at once. Sampling
+is bounded by the endpoint's `request_timeout_s` (a cancelled request is cancelled in the worker
+too); starting and loading an adapter by this module's own timeouts.
 """
 
 from __future__ import annotations
@@ -321,9 +321,7 @@ async def _serve(policy: Any, engine: Engine, conn: Connection) -> None:
             if (task := running.get(call.id)) is not None:
                 task.cancel()
             continue
-        running[call.id] = asyncio.create_task(answer(call))
-    for task in running.values():
-        task.cancel()
+        running[call.id] = asyncio.create_task(answer(call))  # asyncio.run cancels the rest at the end
 
 
 def replica_specs(
