@@ -436,6 +436,51 @@ async def test_a_training_step_gets_the_weights_from_an_engine_that_never_runs_d
         engine.close()
 
 
+async def test_torch_work_runs_on_the_sampling_thread_between_batches(served) -> None:
+    """`engine.call` (how the backend runs a training step, a save or a load) runs on the engine's
+    own thread once the running batch is done, ahead of requests queued before it; its error comes
+    back to the caller and sampling goes on; a closed engine refuses it by name."""
+    import threading
+
+    from journeyman.engine.base import SamplingParams
+    from journeyman.engine.torch_engine import TorchEngine
+    from journeyman.errors import EngineDownError
+
+    model, backend = served
+    policy = backend.service(model).policy
+    engine = TorchEngine(policy, stop_ids=set())  # no stop token: rows sample max_tokens
+    prompt = policy.tokenizer.encode("Count to ten:")
+    seen: dict[str, object] = {}
+
+    def work() -> str:
+        seen.update(thread=threading.current_thread(), batches=engine.batches, first_done=first.done())
+        return "done"
+
+    def fail() -> None:
+        raise ValueError("bad step")
+
+    try:
+        first = asyncio.create_task(engine.generate(prompt, SamplingParams(max_tokens=24, seed=1)))
+        while engine.batches == 0:
+            await asyncio.sleep(0.01)
+        queued = [
+            asyncio.create_task(engine.generate(prompt, SamplingParams(max_tokens=2, seed=i))) for i in range(3)
+        ]
+        await asyncio.sleep(0.05)  # the three are queued before the call
+        assert await engine.call(work) == "done"
+        assert seen == {"thread": engine._thread, "batches": 1, "first_done": True}
+        await asyncio.gather(first, *queued)
+        assert engine.batches == 2  # the queued three sampled together, after the call
+        with pytest.raises(ValueError, match="bad step"):
+            await engine.call(fail)
+        [again] = await engine.generate(prompt, SamplingParams(max_tokens=2, seed=9))
+        assert len(again.token_ids) == 2
+    finally:
+        engine.close()
+    with pytest.raises(EngineDownError, match="closed"):
+        await engine.call(work)
+
+
 async def test_a_shared_prompt_prefix_is_prefilled_once_and_stays_exact(served) -> None:
     """Concurrent requests that share the system prompt and tools (and one with n=2) reuse one cached
     prefix KV; every record still equals the trainer's teacher-forced logprobs. A weight change

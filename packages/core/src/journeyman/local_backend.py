@@ -289,13 +289,13 @@ class LocalBackend:
             return
         ckpt = s.store.checkpoint_dir(step)
         if step == 0:  # the base model: a zero adapter, saved where an engine process can load it
-            await asyncio.to_thread(s.policy.reset)
-            await asyncio.to_thread(s.policy.save, ckpt)
+            await s.engine.call(s.policy.reset)
+            await s.engine.call(s.policy.save, ckpt)
         elif not (ckpt / "adapter_model.safetensors").exists():
             raise InvalidFieldError("step", step, f"no checkpoint at {ckpt} (deleted?)")
         else:
             await asyncio.to_thread(s.store.verify_checkpoint, step)
-            await asyncio.to_thread(s.policy.load, ckpt)
+            await s.engine.call(s.policy.load, ckpt)
         await s.engine.load_adapter(ckpt, step)
 
     # -- training and the run store ----------------------------------------------------------------
@@ -342,7 +342,8 @@ class LocalBackend:
         await s.engine.sleep()
         try:
             run = s.ranks.step if s.ranks is not None else s.trainer.step
-            updated, metrics = await asyncio.to_thread(run, groups, config, on_progress)
+            # on the engine's thread, not a pool thread (`Engine.call`: one OpenMP team per process)
+            updated, metrics = await s.engine.call(run, groups, config, on_progress)
         finally:
             await s.engine.wake()
         metrics.update(s.endpoint.stats())
@@ -394,15 +395,15 @@ class LocalBackend:
             s.trackers.config({"sft": config.model_dump(mode="json")})
             await s.engine.sleep()
             try:
-                metrics = await asyncio.to_thread(s.sft_trainer().train, rows, config, on_progress)
+                metrics = await s.engine.call(s.sft_trainer().train, rows, config, on_progress)
             except BaseException:
                 # earlier optimizer steps of the call changed the adapter: back to the last checkpoint
-                await asyncio.to_thread(s.restore, step)
+                await s.engine.call(s.restore, step)
                 raise
             finally:
                 await s.engine.wake()
             if s.ranks is not None:  # SFT runs on rank 0; the other ranks take its weights
-                await asyncio.to_thread(s.ranks.sync)
+                await s.engine.call(s.ranks.sync)
             metrics = {**data_metrics, **metrics}
             return await self._checkpoint(s, model, step, "sft", metrics, groups, idempotency_key)
 
@@ -444,11 +445,11 @@ class LocalBackend:
         """Commit the updated adapter as step + 1, serve it, and record the step's history row."""
         new_step = step + 1
         try:
-            ckpt = await asyncio.to_thread(s.store.write_checkpoint, new_step, s.save)
+            ckpt = await s.engine.call(s.store.write_checkpoint, new_step, s.save)
         except CheckpointError:
             # Nothing was committed: the step is undone in memory too, so what trains and serves
             # next is the last good step, not weights that exist nowhere on disk.
-            await asyncio.to_thread(s.restore, step)
+            await s.engine.call(s.restore, step)
             raise
         t0 = time.perf_counter()
         await s.engine.load_adapter(ckpt, new_step)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -40,6 +41,7 @@ class SamplingParams(BaseModel):
 
 
 FinishReason = Literal["stop", "length"]
+T = TypeVar("T")
 
 
 @dataclass
@@ -72,6 +74,12 @@ class Engine(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release processes and threads."""
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)`, torch work on the policy this process holds (a training step, a save or
+        load of the adapter), off the event loop. Here, on a worker thread: this engine samples
+        elsewhere. The in-process engine runs it on its own sampling thread (`TorchEngine.call`)."""
+        return await asyncio.to_thread(fn, *args)
 
     @property
     def requests_served(self) -> int:

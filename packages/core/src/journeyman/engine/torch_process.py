@@ -299,7 +299,7 @@ async def _serve(policy: Any, engine: Engine, conn: Connection) -> None:
                 reply = _Reply(id=call.id, samples=await engine.generate(call.prompt_ids, call.params))
             else:
                 assert call.path is not None
-                await asyncio.to_thread(policy.load, Path(call.path))
+                await engine.call(policy.load, Path(call.path))
                 await engine.load_adapter(Path(call.path), call.step)
                 reply = _Reply(id=call.id)
         except InvalidFieldError as e:
