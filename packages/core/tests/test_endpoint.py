@@ -464,7 +464,8 @@ async def test_torch_work_runs_on_the_sampling_thread_between_batches(served) ->
         while engine.batches == 0:
             await asyncio.sleep(0.01)
         queued = [
-            asyncio.create_task(engine.generate(prompt, SamplingParams(max_tokens=2, seed=i))) for i in range(3)
+            asyncio.create_task(engine.generate(prompt, SamplingParams(max_tokens=2, seed=i)))
+            for i in range(3)
         ]
         await asyncio.sleep(0.05)  # the three are queued before the call
         assert await engine.call(work) == "done"

@@ -163,7 +163,9 @@ class TorchEngine(Engine):
         self._served = 0
         self._closed = False
         self._queue: queue.Queue[_Job | _Call | None] = queue.Queue()
-        self._calls: collections.deque[_Call] = collections.deque()  # taken off the queue, run between batches
+        self._calls: collections.deque[_Call] = (
+            collections.deque()
+        )  # taken off the queue, run between batches
         self._running: list[_Job] = []  # the batch being sampled
         self._grammars: Any = None
         self._grammars_lock = threading.Lock()
