@@ -272,6 +272,7 @@ def test_every_example_is_tested() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.parametrize("example", EXAMPLE_RUNS, ids=lambda e: e.script)
 def test_example(example: Example, started: dict[str, tuple[Path, Future[Finished]]], langfuse: Any) -> None:
     runs, future = started[example.script]

@@ -59,6 +59,7 @@ def check_exact(base: tuple[Any, Any], history: jm.History) -> list[jm.TokenReco
     return records
 
 
+@pytest.mark.slow
 async def test_agents_sdk_runner_on_a_remote_backend(
     remote: tuple[jm.RemoteBackend, ServerProcess], base: tuple[Any, Any]
 ) -> None:

@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_one_minute_soak_has_no_errors_and_flat_memory() -> None:
     r = subprocess.run(
         [

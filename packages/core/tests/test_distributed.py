@@ -101,6 +101,7 @@ async def test_two_ranks_step_like_one_and_resume_either_way(tmp_path: Path) -> 
     again.close()
 
 
+@pytest.mark.slow
 async def test_two_replica_processes_serve_64_requests_survive_a_kill_and_rejoin(tmp_path: Path) -> None:
     """2 engine worker processes: 64 concurrent requests with 0 errors, each group on its home
     replica, token-exact records; one replica SIGKILLed mid-batch fails only its own requests (a
@@ -210,6 +211,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 def test_torchrun_on_two_nodes_over_loopback(tmp_path: Path) -> None:
     """The several-node path, as docs/scale.md gives it: two torchrun agents (node 0 runs the
     training script, node 1 the worker module) meet at MASTER_ADDR:MASTER_PORT, train a step

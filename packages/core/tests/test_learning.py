@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 SUITE_SETTINGS = {"steps": 5, "learning_rate": 4e-4}
 
 
+@pytest.mark.slow
 async def test_grpo_raises_held_out_reward(tmp_path: Path) -> None:
     steps: list[dict[str, float]] = []
     result = await run_demo(path=tmp_path, **SUITE_SETTINGS, on_step=lambda _, m: steps.append(m))

@@ -101,6 +101,7 @@ async def test_remote_backend_errors_are_named(server: ServerProcess) -> None:
         await down.get_step(jm.TrainableModel(name="x", project="p"))
 
 
+@pytest.mark.slow
 async def test_rollouts_captures_and_a_train_step_through_the_server(server: ServerProcess) -> None:
     backend = jm.RemoteBackend(server.url, token=TOKEN, progress=False)
     model = jm.TrainableModel(name="remote", project="p")
@@ -153,6 +154,7 @@ def _train_body(groups: list[jm.TrajectoryGroup], key: str) -> bytes:
     )
 
 
+@pytest.mark.slow
 async def test_a_server_killed_mid_step_resumes_and_trains_it_exactly_once(tmp_path: Path) -> None:
     """SIGKILL during step 1: the restarted server resumes step 1's checkpoint, and the client's retry
     (same idempotency key) trains step 1 once; no group is lost or written twice."""

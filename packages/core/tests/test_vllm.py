@@ -187,6 +187,7 @@ def test_start_failure_shows_the_server_log(vllm_python: str) -> None:
     assert not server.alive()
 
 
+@pytest.mark.slow
 async def test_grpo_learns_with_the_vllm_engine(vllm_python: str, tmp_path: Path) -> None:
     """The core learning test (test_learning.py's settings) with engine="vllm": its own server, closed after."""
     steps: list[dict[str, float]] = []

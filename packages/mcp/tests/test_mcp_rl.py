@@ -378,6 +378,7 @@ def _check_run(tmp: Path, r: subprocess.CompletedProcess[str], tool_names: set[s
     return groups
 
 
+@pytest.mark.slow
 def test_train_end_to_end_on_mcp_server_time_stdio_with_ruler(tmp_path: Path) -> None:
     r = _mcp_rl(
         [
@@ -437,6 +438,7 @@ def everything_url(tmp_path: Path):
         yield f"http://127.0.0.1:{port}/mcp"
 
 
+@pytest.mark.slow
 def test_train_end_to_end_on_server_everything_streamable_http(tmp_path: Path, everything_url: str) -> None:
     r = _mcp_rl(
         [

@@ -154,6 +154,7 @@ def _taught(info_tools: list[dict[str, Any]], system: str, task: str) -> jm.Traj
     )
 
 
+@pytest.mark.slow
 async def test_a_trained_adapter_the_judge_prefers_wins_and_the_base_ties_with_itself(
     served: tuple[object, object], pair_judge: PairJudge, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
