@@ -22,23 +22,6 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files that start a vLLM server first, then files with a `slow` test, then the rest, each
-    group in collection order. pytest-xdist hands whole files to its two workers in this order
-    (`--no-loadscope-reorder`; by default it orders them by test count, which put the one-test
-    soak and learning files last): started early, the long files leave the many short ones to
-    fill in beside them, and no worker idles while the other runs a long file at the end."""
-
-    def rank(path: Path) -> int:
-        marks = {m.name for item in by_file[path] for m in item.iter_markers()}
-        return 0 if "vllm" in marks else 1 if "slow" in marks else 2
-
-    by_file: dict[Path, list[pytest.Item]] = {}
-    for item in items:
-        by_file.setdefault(item.path, []).append(item)
-    items[:] = [item for path in sorted(by_file, key=rank) for item in by_file[path]]
-
-
 @pytest.fixture(scope="session")
 def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("journeyman-runs")

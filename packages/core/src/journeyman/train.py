@@ -19,11 +19,11 @@ share their ~26-token prompt, all rows only 14, under `MIN_SHARED_PREFIX`): padd
 2048 and 1569 token positions (7.7% and 12.3% padding); packed, 1132 and 777, 0.55x and 0.50x,
 since besides the group prompts, samples that begin alike (or are alike) share those tokens too.
 Bucketing by group with each group's prompt in a KV cache would still pad and run each sample's
-own tokens in full (~1400 positions). The price is attention over the whole packed sequence, masked
-but dense: per layer ~4·L·d FLOPs a token against ~7 MFLOPs in the linear layers of SmolLM2-135M
-(d=576), i.e. +30% a token at L=1024, +2% for padded rows of ~66. Net, ~0.70x the FLOPs of the
-padded step at the default 1024-token budget (~0.63x at 512), and a longer budget lets a long agent
-prefix (~570 tokens) be shared by more rows, so the budget stays the config's.
+own tokens in full (~1400 positions). Attention does not run over the whole packed sequence: one
+masked (L, L) product cost ~4·L·d FLOPs a token per layer, +30% a token at L=1024 against the
+linear layers of SmolLM2-135M (d=576), and SDPA forward and backward took 1.25 s of a 6.8 s step.
+`row_attention` runs each row's own span against its own tokens only, so a longer budget, which
+lets a long agent prefix (~570 tokens) be shared by more rows, costs no quadratic term.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .adapter import LoraPolicy, cache_kv
 from .chat_format import ChatFormat
@@ -115,6 +116,9 @@ class PackedInputs(NamedTuple):
     positions: torch.Tensor  # (1, L) each token's position in its row
     mask: torch.Tensor  # (1, 1, L, L) True where a token may attend
     places: torch.Tensor  # (B, T) where row b's token t sits in the sequence (0 past the row's end)
+    # per row, (start, end, places): the span of the sequence it put there, and the places of all
+    # its tokens (shared prefix included), the keys its span's queries attend to (`row_attention`)
+    spans: list[tuple[int, int, torch.Tensor]]
 
 
 @dataclass
@@ -125,6 +129,8 @@ class Pack:
     # per row, the place in the sequence of each of its tokens: a shared prefix's places are the
     # places the row before it gave that prefix
     places: list[list[int]] = field(default_factory=list)
+    # per row, the span [start, end) of the sequence its own tokens (past the shared prefix) fill
+    spans: list[tuple[int, int]] = field(default_factory=list)
     length: int = 0
 
     def add(self, row: Row, shared: int) -> None:
@@ -132,6 +138,7 @@ class Pack:
         n = len(row.input_ids)
         prefix = self.places[-1][:shared] if shared else []
         self.places.append(prefix + list(range(self.length, self.length + n - shared)))
+        self.spans.append((self.length, self.length + n - shared))
         self.rows.append(row)
         self.length += n - shared
 
@@ -149,8 +156,16 @@ class Pack:
             # a shared token gets the same mask row from every row that holds it: the shared prefix
             mask[at[:, None], at] = torch.ones((len(where), len(where)), dtype=torch.bool).tril()
             places[b, : len(where)] = at
+        spans = [
+            (start, end, torch.tensor(where, device=device))
+            for (start, end), where in zip(self.spans, self.places, strict=True)
+        ]
         return PackedInputs(
-            ids[None].to(device), positions[None].to(device), mask[None, None].to(device), places.to(device)
+            ids[None].to(device),
+            positions[None].to(device),
+            mask[None, None].to(device),
+            places.to(device),
+            spans,
         )
 
 
@@ -202,6 +217,51 @@ def packed_attention_mask(
     return {"full_attention": mask, "sliding_attention": sliding}
 
 
+ROW_ATTENTION = "journeyman_rows"
+
+
+def row_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    pack_spans: list[tuple[int, int, torch.Tensor]],
+    pack_attention: str,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over a packed sequence one row at a time: the queries of a row's own span against
+    the keys of that row's tokens only, through the model's own attention function (`pack_attention`)
+    with the matching block of the packed mask (causal, sliding window). The same numbers as the
+    whole (L, L) masked product, for the sum over rows of span x row length instead of L²: on
+    `bench/grpo_step.py` packs of ~1000 tokens, ~25x fewer score entries."""
+    inner = ALL_ATTENTION_FUNCTIONS[pack_attention]
+    outs = []
+    for start, end, keys in pack_spans:
+        if start == end:  # a row the one before it holds whole (the same sample twice)
+            continue
+        mask = None if attention_mask is None else attention_mask[:, :, start:end][..., keys]
+        out, _ = inner(module, query[:, :, start:end], key[:, :, keys], value[:, :, keys], mask, **kwargs)
+        outs.append(out)  # (1, span, heads, head dim)
+    return torch.cat(outs, dim=1), None
+
+
+AttentionInterface.register(ROW_ATTENTION, row_attention)
+
+
+@contextlib.contextmanager
+def attention_implementation(causal_lm: Any, name: str) -> Iterator[str]:
+    """The model's attention switched to `name` (a registered `AttentionInterface` function) for the
+    block; yields the one it had."""
+    before = causal_lm.config._attn_implementation
+    causal_lm.set_attn_implementation(name)
+    try:
+        yield before
+    finally:
+        causal_lm.set_attn_implementation(before)
+
+
 def packed_logprobs(
     policy_model: Any, inputs: PackedInputs, rows: torch.Tensor, pos: torch.Tensor
 ) -> torch.Tensor:
@@ -209,12 +269,18 @@ def packed_logprobs(
     them for the same rows padded: (rows, pos) index the (B, T-1) target grid of `Pack.rows`.
 
     transformers uses a 4-D mask as given: SDPA takes it as a boolean (True = attend), the other
-    attention implementations (eager) add it to the scores."""
+    attention implementations (eager) add it to the scores. Attention runs row by row (`row_attention`)."""
     causal_lm: Any = policy_model.get_base_model()
     mask = packed_attention_mask(causal_lm.config, inputs, causal_lm.dtype)
-    hidden = causal_lm.model(
-        input_ids=inputs.ids, position_ids=inputs.positions, attention_mask=mask, use_cache=False
-    ).last_hidden_state  # (1, L, H)
+    with attention_implementation(causal_lm, ROW_ATTENTION) as inner:
+        hidden = causal_lm.model(
+            input_ids=inputs.ids,
+            position_ids=inputs.positions,
+            attention_mask=mask,
+            use_cache=False,
+            pack_spans=inputs.spans,
+            pack_attention=inner,
+        ).last_hidden_state  # (1, L, H)
     # the hidden state at position p of a row predicts its token p + 1, the target at pos = p
     at, targets = inputs.places[rows, pos], inputs.ids[0, inputs.places[rows, pos + 1]]
     return token_logprobs(causal_lm.lm_head(hidden[0, at]), targets)

@@ -61,6 +61,9 @@ class _Call:
     future: asyncio.Future[Any]
 
 
+_WAKE = object()  # queued by `call`, to wake a take blocked on the queue
+
+
 @dataclass
 class _Row:
     job: _Job
@@ -162,10 +165,9 @@ class TorchEngine(Engine):
         self.rows_joined = 0  # rows admitted into a batch that was already sampling
         self._served = 0
         self._closed = False
-        self._queue: queue.Queue[_Job | _Call | None] = queue.Queue()
-        self._calls: collections.deque[_Call] = (
-            collections.deque()
-        )  # taken off the queue, run between batches
+        # requests; None: close; `_WAKE`: a call is pending (in `_calls`), for a take blocked here
+        self._queue: queue.Queue[_Job | object | None] = queue.Queue()
+        self._calls: collections.deque[_Call] = collections.deque()  # run before the next batch
         self._running: list[_Job] = []  # the batch being sampled
         self._grammars: Any = None
         self._grammars_lock = threading.Lock()
@@ -210,7 +212,8 @@ class TorchEngine(Engine):
         call = _Call(functools.partial(fn, *args), loop, loop.create_future())
         if self._closed:
             raise EngineDownError("the in-process engine is closed")
-        self._queue.put(call)
+        self._calls.append(call)  # ahead of every queued request, not behind them
+        self._queue.put(_WAKE)
         if self._closed and not self._thread.is_alive():  # closed while this was being queued
             self._fail_queued([])
         return await call.future
@@ -304,14 +307,17 @@ class TorchEngine(Engine):
     def _take(self, carry: list[_Job], room: int, wait: bool) -> list[_Job] | None:
         """Jobs for up to `room` rows: with `wait`, block for the first, then gather what arrives
         until a `batch_wait_s` gap (at most `batch_wait_max_s` in all); without, only what is
-        queued now. None: the engine is closing. A call (`call`) ends the take: it is set aside
-        to run before the next batch, and the jobs gathered so far wait in `carry`."""
+        queued now. None: the engine is closing. A pending call (`call`) ends the take with no
+        jobs: it runs before the next batch, and the jobs gathered so far wait in `carry`."""
         jobs: list[_Job] = []
         rows = 0
         deadline = last_call = 0.0
         while True:
+            if self._calls:
+                carry[:0] = jobs
+                return []
             if carry:
-                job: _Job | _Call | None = carry.pop(0)
+                job: _Job | object | None = carry.pop(0)
             else:
                 try:
                     if wait and not jobs:
@@ -327,10 +333,8 @@ class TorchEngine(Engine):
                     self._queue.put(None)
                     return jobs
                 return None
-            if isinstance(job, _Call):
-                self._calls.append(job)
-                carry[:0] = jobs
-                return []
+            if not isinstance(job, _Job):  # `_WAKE`: the pending call is seen at the loop's top
+                continue
             if job.future.cancelled():  # its caller gave up (a timeout): no batch time spent on it
                 continue
             # The first job of a new batch always fits; a running batch takes only what fits.
@@ -357,14 +361,15 @@ class TorchEngine(Engine):
 
     def _fail_queued(self, carry: list[_Job], down: BaseException | None = None) -> None:
         down = down or EngineDownError("the in-process engine stopped before serving this request")
-        waiting: list[_Job | _Call] = [*carry, *self._calls]
-        self._calls.clear()
+        waiting: list[_Job | _Call] = [*carry]
+        while self._calls:
+            waiting.append(self._calls.popleft())
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
+            if isinstance(job, _Job):
                 waiting.append(job)
         for j in waiting:
             hand_over(j.loop, j.future, error=down)
