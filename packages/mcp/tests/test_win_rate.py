@@ -181,7 +181,8 @@ async def test_a_trained_adapter_the_judge_prefers_wins_and_the_base_ties_with_i
         sft = await model.train_sft(demos, config=sft_cfg)
         assert sft.step == 1
         _, trained = await evaluate(model, pool, info, scenarios, cfg, log=False)
-        assert all(MARKER in json.dumps(t.messages()) for g in trained for t in g.trajectories)
+        runs = [t.messages() for g in trained for t in g.trajectories]
+        assert all(MARKER in json.dumps(m) for m in runs), runs
         # the default baseline: the base model, played by the same engine with the adapter off
         base, rerun, rate = await compare(
             settings,

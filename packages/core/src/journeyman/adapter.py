@@ -74,7 +74,12 @@ class LoraPolicy:
             target_modules=self.lora.target_modules,
             task_type="CAUSAL_LM",
         )
-        self.model: Any = get_peft_model(base, peft_config)
+        # LoRA's A matrices start random: drawn under the config's seed, so a model starts from the
+        # same adapter whatever ran before it in the process (its global generator is left as it was).
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(self.lora.seed)
+            self.model: Any = get_peft_model(base, peft_config)
         self.model.eval()
         # Sampling and a training step never overlap on the shared weights.
         self.lock = threading.RLock()
