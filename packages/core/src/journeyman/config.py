@@ -35,7 +35,9 @@ class LoraConfig(BaseModel):
     alpha: int = Field(default=16, ge=1, description="LoRA alpha (scale = alpha / r)")
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     target_modules: list[str] | str = Field(default="all-linear", description="modules that get an adapter")
-    seed: int = Field(default=0, description="seeds the adapter's random initial A matrices (B starts at zero)")
+    seed: int = Field(
+        default=0, description="seeds the adapter's random initial A matrices (B starts at zero)"
+    )
 
 
 class ModelConfig(OwnErrorsModel):
