@@ -76,12 +76,14 @@ async def test_two_ranks_step_like_one_and_resume_either_way(tmp_path: Path) -> 
         double = await model2.train(groups, config=config)
         w2 = _lora(two, model2)
         assert single.step == double.step == 2
-        diff = max(float((a - b).abs().max()) for a, b in zip(w1, w2, strict=True))
-        moved = max(float((a - b).abs().max()) for a, b in zip(w1, w_step1, strict=True))
+        diff = sum(float((a - b).square().sum()) for a, b in zip(w1, w2, strict=True)) ** 0.5
+        moved = sum(float((a - b).square().sum()) for a, b in zip(w1, w_step1, strict=True)) ** 0.5
         # Summing gradients over ranks adds them in another order; AdamW divides by sqrt(v), which
-        # at step 2 is tiny on some elements and magnifies that fp32 noise (seen: 1.3e-5 of a 1e-3
-        # move). A real difference in what the ranks computed moves weights by the move's size.
-        assert diff < 0.02 * moved and moved > 1e-4, (diff, moved)
+        # at step 2 is tiny on some elements and magnifies that fp32 noise there (one element's
+        # largest difference ran 1.3e-5 to 2.1e-5 of a 1e-3 move), so the whole update is compared,
+        # by norm (measured: 2.5e-7 of a 1.12 move). A real difference in what the ranks computed
+        # moves weights by the move's size.
+        assert diff < 1e-3 * moved and moved > 1e-3, (diff, moved)
         for key in ("policy_loss", "trained_tokens", "engine_trainer_logprob_gap", "grad_norm"):
             assert double.metrics[key] == pytest.approx(single.metrics[key], rel=1e-4, abs=1e-7), key
         ranks = two.service(model2).ranks
