@@ -12,7 +12,7 @@ import itertools
 import secrets
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import journeyman as jm
 import pytest
@@ -66,8 +66,11 @@ async def test_agents_sdk_runner_on_a_remote_backend(
     from agents import Agent, ModelSettings, function_tool
     from journeyman_agents import TrainableRunner
 
+    # Enums, not any string (here and in the LangGraph test): at temperature 1 the 135M model's
+    # free-text argument could run past max_tokens, cutting the forced call off, and the run then
+    # ended after one LLM call.
     @function_tool
-    def get_weather(city: str) -> str:
+    def get_weather(city: Literal["Paris", "Tokyo", "Lima", "Oslo"]) -> str:
         """Current weather for a city."""
         return f"It is sunny and 21 C in {city}."
 
@@ -98,7 +101,7 @@ async def test_langgraph_decorators_on_a_remote_backend(
     from langchain_core.tools import tool
 
     @tool
-    def get_time(city: str) -> str:
+    def get_time(city: Literal["Paris", "Tokyo", "Lima", "Oslo"]) -> str:
         """The local time in a city."""
         return f"TIME {city}: 09:30"
 
