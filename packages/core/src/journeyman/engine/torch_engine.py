@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache, StaticCache
@@ -36,10 +36,9 @@ from transformers import DynamicCache, StaticCache
 from ..adapter import LoraPolicy, cache_kv
 from ..errors import EngineDownError
 from ..tokenize import MIN_SHARED_PREFIX, common_prefix_length
-from .base import Engine, FinishReason, Sample, SamplingParams, hand_over
+from .base import Engine, FinishReason, Sample, SamplingParams, T, hand_over
 
 log = logging.getLogger("journeyman.engine")
-T = TypeVar("T")
 
 
 @dataclass
