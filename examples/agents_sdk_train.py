@@ -48,7 +48,7 @@ def triage_agent(temperature: float) -> Agent:
         name="todo_keeper",
         instructions=INSTRUCTIONS,
         tools=TOOLS,
-        model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=temperature),
+        model_settings=ModelSettings(tool_choice="required", max_tokens=64, temperature=temperature),
     )
     return Agent(
         name="triage",
@@ -56,7 +56,7 @@ def triage_agent(temperature: float) -> Agent:
         # the to-do agent sees the user's request, not the handoff call and its output (which
         # confused the 135M model: held-out success 0.00 with them, 24 tasks)
         handoffs=[handoff(keeper, input_filter=handoff_filters.remove_all_tools)],
-        model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=temperature),
+        model_settings=ModelSettings(tool_choice="required", max_tokens=64, temperature=temperature),
     )
 
 

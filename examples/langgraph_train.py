@@ -72,7 +72,7 @@ async def main(args: argparse.Namespace) -> None:
 
         # The user's graph. The two Journeyman lines: `trainable(chat_model(model))` and `@trajectory(model)`.
         def agent(temperature: float) -> Any:
-            llm = trainable(chat_model(model, max_tokens=48, temperature=temperature))
+            llm = trainable(chat_model(model, max_tokens=64, temperature=temperature))
             return create_agent(
                 llm, tools=TOOLS, system_prompt=INSTRUCTIONS, middleware=[ToolThenAnswer(args.answer_tokens)]
             )

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from todo_task import TodoError, TodoList, write_scenarios
+from todo_task import Title, TodoError, TodoList, write_scenarios
 
 server = MCPServer("todo", instructions="A personal to-do list. Tasks are identified by their title.")
 _list = TodoList()  # one per process: over stdio, one per pooled session
@@ -40,7 +40,7 @@ def _tool(result: Callable[[], str]) -> str:
 
 
 @server.tool()
-def add_task(title: str) -> str:
+def add_task(title: Title) -> str:
     """Add a new open task with this title to the to-do list."""
     return _tool(lambda: _list.add_task(title))
 
@@ -52,13 +52,13 @@ def list_tasks() -> str:
 
 
 @server.tool()
-def mark_done(title: str) -> str:
+def mark_done(title: Title) -> str:
     """Mark the task with this title as done."""
     return _tool(lambda: _list.mark_done(title))
 
 
 @server.tool()
-def remove_task(title: str) -> str:
+def remove_task(title: Title) -> str:
     """Delete the task with this title from the to-do list."""
     return _tool(lambda: _list.remove_task(title))
 
