@@ -33,7 +33,8 @@ from journeyman.engine.vllm_engine import VLLMEngine
 from journeyman.engine.vllm_server import VLLMConfig
 from openai.types.chat import ChatCompletion
 
-# Startup dominates on 2 shared cores (50 s idle, up to 4 min under load); learning takes ~10 min.
+# Startup dominates on 2 shared cores (50 s idle, up to 4 min under load); learning took 104 s alone
+# (3 steps: 0.152 -> 0.498, 8.0 SE), 3-5 min beside the rest of the suite.
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(1800)]
 
 TOOLS = [
@@ -194,8 +195,8 @@ async def test_grpo_learns_with_the_vllm_engine(vllm_python: str, tmp_path: Path
     t0 = time.perf_counter()
     result = await run_demo(
         path=tmp_path,
-        steps=5,
-        learning_rate=4e-4,
+        steps=3,
+        learning_rate=8e-4,
         engine=VLLMConfig(python=vllm_python),
         on_step=lambda _, m: steps.append(m),
     )
@@ -211,7 +212,7 @@ async def test_grpo_learns_with_the_vllm_engine(vllm_python: str, tmp_path: Path
     )
     assert result.gain_in_sems > 3, result
     # every step was sampled by vLLM on the adapter the trainer had just produced
-    assert len(steps) == 5 and max(gaps) < 1e-3, gaps
+    assert len(steps) == 3 and max(gaps) < 1e-3, gaps
 
 
 def max_diff(a: list[float], b: list[float]) -> float:

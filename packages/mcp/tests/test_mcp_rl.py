@@ -17,6 +17,7 @@ from pathlib import Path
 
 import journeyman as jm
 import pytest
+from journeyman.weights import cache_dir
 from journeyman_mcp.scenarios import Check, generate_scenarios, schema_scenarios, split
 from journeyman_mcp.server import ServerInfo, ServerSpec, SessionPool, bound_strings
 
@@ -45,8 +46,17 @@ FAST = [
 
 
 def _env(tmp: Path) -> dict[str, str]:
+    """The CLI's environment: unless the caller set one, a cache of its own under `tmp`, so RULER's
+    answers start empty, whose `models` is the machine's (converting the weights afresh is ~32 s)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.setdefault("JOURNEYMAN_CACHE", str(tmp / "cache"))
+    if "JOURNEYMAN_CACHE" not in env:
+        models = cache_dir() / "models"
+        models.mkdir(parents=True, exist_ok=True)
+        cache = tmp / "cache"
+        cache.mkdir(exist_ok=True)
+        if not (cache / "models").exists():
+            (cache / "models").symlink_to(models, target_is_directory=True)
+        env["JOURNEYMAN_CACHE"] = str(cache)
     return env
 
 
