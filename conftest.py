@@ -13,13 +13,46 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Seconds each long file took in a fresh-clone run on the 2-core CI machine (pytest --durations and
+# a per-test timeline, 2026-11-25). xdist hands files out in this order, longest first
+# (`--no-loadscope-reorder`), so the two workers finish together: by test count, the one-test soak
+# and learning files came last and one worker ran them alone for 200 s while the other sat idle.
+# Files not listed follow in collection order.
+FILE_SECONDS = {
+    "packages/core/tests/test_vllm.py": 415,
+    "packages/mcp/tests/test_mcp_rl.py": 230,
+    "tests/test_examples.py": 212,
+    "packages/core/tests/test_remote.py": 141,
+    "tests/test_soak.py": 123,
+    "tests/test_remote_adapters.py": 111,
+    "packages/core/tests/test_distributed.py": 111,
+    "packages/mcp/tests/test_win_rate.py": 81,
+    "packages/core/tests/test_learning.py": 78,
+    "packages/agents-sdk/tests/test_agents_sdk.py": 63,
+    "packages/core/tests/test_endpoint.py": 59,
+    "packages/core/tests/test_families.py": 59,
+    "packages/core/tests/test_train.py": 43,
+    "packages/langgraph/tests/test_langgraph.py": 40,
+    "packages/core/tests/test_fuzz.py": 36,
+    "packages/core/tests/test_ruler_local.py": 22,
+}
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    # Under pytest-xdist the workers share the machine's cores: each computes on its share, since
-    # two 2-thread OpenMP pools on 2 cores spin against each other.
+    # Under pytest-xdist the workers share the machine's cores: each computes on its share, and so
+    # do the processes its tests start (servers, the soak, trainer ranks), since two 2-thread
+    # OpenMP pools on 2 cores spin against each other (a soak beside another test ran 438 s).
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+        share = max(1, (os.cpu_count() or 2) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # a stable sort: the tests of a file keep their order (test_vllm.py relies on it)
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.nodeid.split("::")[0], 0))
 
 
 @pytest.fixture(scope="session")
