@@ -19,22 +19,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # and learning files came last and one worker ran them alone for 200 s while the other sat idle.
 # Files not listed follow in collection order.
 FILE_SECONDS = {
-    "packages/core/tests/test_vllm.py": 415,
-    "packages/mcp/tests/test_mcp_rl.py": 230,
-    "tests/test_examples.py": 212,
-    "packages/core/tests/test_remote.py": 141,
-    "tests/test_soak.py": 123,
-    "tests/test_remote_adapters.py": 111,
-    "packages/core/tests/test_distributed.py": 111,
-    "packages/mcp/tests/test_win_rate.py": 81,
-    "packages/core/tests/test_learning.py": 78,
-    "packages/agents-sdk/tests/test_agents_sdk.py": 63,
-    "packages/core/tests/test_endpoint.py": 59,
-    "packages/core/tests/test_families.py": 59,
-    "packages/core/tests/test_train.py": 43,
+    "packages/core/tests/test_vllm.py": 481,
+    "packages/mcp/tests/test_mcp_rl.py": 276,
+    "tests/test_examples.py": 251,
+    "tests/test_soak.py": 149,
+    "packages/core/tests/test_distributed.py": 83,
+    "packages/mcp/tests/test_win_rate.py": 79,
+    "packages/core/tests/test_learning.py": 72,
+    "packages/core/tests/test_endpoint.py": 58,
+    "packages/agents-sdk/tests/test_agents_sdk.py": 54,
+    "packages/core/tests/test_remote.py": 50,
+    "packages/core/tests/test_families.py": 41,
     "packages/langgraph/tests/test_langgraph.py": 40,
-    "packages/core/tests/test_fuzz.py": 36,
-    "packages/core/tests/test_ruler_local.py": 22,
+    "packages/core/tests/test_fuzz.py": 32,
+    "packages/core/tests/test_train.py": 27,
+    "packages/core/tests/test_ruler_local.py": 23,
+    "tests/test_remote_adapters.py": 23,
 }
 
 

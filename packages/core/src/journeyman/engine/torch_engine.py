@@ -137,7 +137,8 @@ class TorchEngine(Engine):
         self.policy = policy
         # Continuous batching: requests that arrive while a batch samples join it. Off by default:
         # on this 2-core CPU it measured 0.88x static batching at 8 concurrent two-turn rollouts,
-        # 1.12x at 32 and 1.02x at 64 (bench/engine_throughput.py), and a join holds the old and
+        # 1.12x at 32 and 1.02x at 64 (bench/engine_throughput.py), again 0.90x and 0.98x at 8 and
+        # 32 once torch work ran on the sampling thread (2026-11-25), and a join holds the old and
         # the new cache at once (the 64-rollout soak peaked ~1 GiB higher). A join copies every
         # running row's cache; a slot-allocated cache that new rows write into is what would make it pay.
         self.continuous = continuous
