@@ -14,12 +14,19 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .config import TrainerConfig
-from .errors import TrainerRankError
+from .errors import InvalidFieldError, TrainerRankError
 
 if TYPE_CHECKING:
     import torch
 
 _POLL_S = 2.0
+
+
+def _ranks_share_a_gpu(world: int) -> bool:
+    """More ranks on this machine (torchrun's LOCAL_WORLD_SIZE; spawned ranks are all here) than GPUs."""
+    import torch
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) > torch.cuda.device_count()
 
 
 class Collective:
@@ -33,8 +40,16 @@ class Collective:
         self.rank, self.world, self.store = rank, world, store
         timeout = datetime.timedelta(seconds=config.timeout_s)
         backend = config.backend
+        shared = device.type == "cuda" and _ranks_share_a_gpu(world)
         if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
+            # gloo all-reduces CUDA tensors too (through host memory): the way left when ranks share a GPU
+            backend = "nccl" if device.type == "cuda" and not shared else "gloo"
+        elif backend == "nccl" and shared:
+            raise InvalidFieldError(
+                "trainer.backend",
+                "nccl",
+                "NCCL needs a GPU per rank, and this machine has more ranks than GPUs",
+            )
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from .adapter import pick_device
 from .collective import Collective
 from .config import LoraConfig, TrainConfig, TrainerConfig
 from .errors import TrainerRankError
@@ -98,7 +99,7 @@ class RankGroup:
                     base_model=str(base_model),
                     lora=lora.model_dump(),
                     dtype=dtype,
-                    device=str(policy.device),
+                    device=str(pick_device(policy.device.type, rank)),
                     trainer=config.model_dump(),
                     parent=os.getpid(),
                 )
