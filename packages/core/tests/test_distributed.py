@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from pathlib import Path
 
@@ -229,11 +230,15 @@ def test_torchrun_on_two_nodes_over_loopback(tmp_path: Path) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
     where = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     base = str(resolve_base_model(jm.TrainableModel(name="m", project="p").base_model))
+    # two "nodes" on one machine: a GPU each where there are two, else both on the CPU (NCCL
+    # refuses two ranks on one GPU, and each node thinks it is alone)
+    gpus = ["0", "1"] if torch.cuda.device_count() >= 2 else ["", ""]
     node1 = subprocess.Popen(
         [*torchrun, "--node-rank", "1", *where, "-m", "journeyman.distributed", "--base-model", base],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus[1]},
     )
     try:
         node0 = subprocess.run(
@@ -241,6 +246,7 @@ def test_torchrun_on_two_nodes_over_loopback(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             timeout=240,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus[0]},
         )
         assert node0.returncode == 0, node0.stderr[-3000:]
         assert "world 2 step 1" in node0.stdout

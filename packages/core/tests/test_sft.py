@@ -127,11 +127,11 @@ def test_sft_loss_is_the_masked_cross_entropy_of_each_row_alone(registered: tupl
     by_hand_sum, by_hand_n = 0.0, 0
     with torch.no_grad(), policy.editing():
         for r in rows:
-            logits = policy.model(input_ids=torch.tensor([r.input_ids])).logits[0].double()  # (T, V)
-            ce = torch.nn.functional.cross_entropy(
-                logits[:-1], torch.tensor(r.input_ids[1:]), reduction="none"
-            )
-            mask = torch.tensor(r.trained[1:], dtype=torch.float64)  # token t is predicted at t - 1
+            ids = torch.tensor([r.input_ids], device=policy.device)
+            logits = policy.model(input_ids=ids).logits[0].double()  # (T, V)
+            ce = torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="none")
+            # token t is predicted at t - 1
+            mask = torch.tensor(r.trained[1:], dtype=torch.float64, device=policy.device)
             by_hand_sum += float((ce * mask).sum())
             by_hand_n += int(mask.sum())
         by_hand = by_hand_sum / by_hand_n

@@ -302,7 +302,8 @@ def test_a_shared_prefix_runs_once_with_the_same_logprobs_and_gradients(served) 
         len(b) for b in micro_batches(rows, budget=2 * (len(rows[1].input_ids) - shared), shared=shared)
     ] == [2]
 
-    ids, attn, trained, _ = pad_rows(rows)
+    device = service.policy.device
+    ids, attn, trained, _ = (t.to(device) for t in pad_rows(rows))
     rows_idx, pos_idx = trained[:, 1:].nonzero(as_tuple=True)
     targets = ids[:, 1:][rows_idx, pos_idx]
     params = service.policy.trainable_parameters()
@@ -310,7 +311,8 @@ def test_a_shared_prefix_runs_once_with_the_same_logprobs_and_gradients(served) 
     with service.policy.editing():  # unmerged: the shared model may be merged from sampling
         for n in (0, shared):
             logp = trained_logprobs(service.policy.model, ids, attn, rows_idx, pos_idx, targets, n)
-            grads = torch.autograd.grad((logp * torch.linspace(-1, 1, len(logp))).sum(), params)
+            weights = torch.linspace(-1, 1, len(logp), device=device)
+            grads = torch.autograd.grad((logp * weights).sum(), params)
             results.append((logp.detach(), grads))
     (full, g_full), (once, g_once) = results
     assert (full - once).abs().max() < 1e-4
@@ -356,7 +358,10 @@ def test_packed_rows_give_the_logprobs_and_gradients_of_padded_rows(served) -> N
     assert sum(p.length for p in packs) < total - len(system)  # shared prefixes once per sequence
 
     # per-token weights fixed per row, so a logprob landing on another row or token changes the sum
-    weights = {id(r): torch.linspace(-1, 1, sum(r.trained[1:])) * (i + 1) for i, r in enumerate(rows)}
+    device = policy.device
+    weights = {
+        id(r): torch.linspace(-1, 1, sum(r.trained[1:]), device=device) * (i + 1) for i, r in enumerate(rows)
+    }
     params = policy.trainable_parameters()
     with policy.editing():  # unmerged: the shared model may be merged from sampling
         saved = [p.detach().clone() for p in params]
@@ -364,15 +369,15 @@ def test_packed_rows_give_the_logprobs_and_gradients_of_padded_rows(served) -> N
             for p in params:
                 p.add_(torch.randn_like(p) * 0.02)
         try:
-            ids, attn, trained, _ = pad_rows(rows)
+            ids, attn, trained, _ = (t.to(device) for t in pad_rows(rows))
             rows_idx, pos_idx = trained[:, 1:].nonzero(as_tuple=True)
             targets = ids[:, 1:][rows_idx, pos_idx]
             logp = trained_logprobs(policy.model, ids, attn, rows_idx, pos_idx, targets)
             padded = dict(zip(map(id, rows), logp.split([sum(r.trained[1:]) for r in rows]), strict=True))
             packed: dict[int, torch.Tensor] = {}
             for p in packs:
-                rows_idx, pos_idx = pad_rows(p.rows)[2][:, 1:].nonzero(as_tuple=True)
-                logp = packed_logprobs(policy.model, p.inputs(policy.device), rows_idx, pos_idx)
+                rows_idx, pos_idx = pad_rows(p.rows)[2][:, 1:].to(device).nonzero(as_tuple=True)
+                logp = packed_logprobs(policy.model, p.inputs(device), rows_idx, pos_idx)
                 packed |= zip(map(id, p.rows), logp.split([sum(r.trained[1:]) for r in p.rows]), strict=True)
             grads = [
                 torch.autograd.grad(sum((weights[k] * lp).sum() for k, lp in logps.items()), params)
