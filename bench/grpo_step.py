@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import journeyman as jm
+import torch
 from journeyman import tasks
 from journeyman.weights import DEFAULT_BASE_MODEL, resolve_base_model
 
@@ -25,9 +26,9 @@ PROMPTS, GROUP, MAX_TOKENS, LR = 8, 4, 40, 2e-4
 
 
 async def journeyman_steps(
-    steps: int, root: Path, bf16: bool, train_seconds: list[float]
+    steps: int, root: Path, bf16: bool, train_seconds: list[float], dtype: str = "float32"
 ) -> tuple[list[float], list[float]]:
-    backend = jm.LocalBackend(path=root)
+    backend = jm.LocalBackend(path=root, dtype=dtype)
     model = jm.TrainableModel(name="bench", project="bench")
     await model.register(backend)
     client = model.openai_client()
@@ -60,7 +61,15 @@ async def journeyman_steps(
             flush=True,
         )
     backend.close()
+    peak_memory("journeyman")
     return seconds, rewards
+
+
+def peak_memory(name: str) -> None:
+    """On CUDA, the peak of allocated GPU memory since the last call (engine and trainer share it)."""
+    if torch.cuda.is_available():
+        print(f"{name}: peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
+        torch.cuda.reset_peak_memory_stats()
 
 
 def trl_steps(steps: int, root: Path) -> tuple[list[float], list[float]]:
@@ -118,7 +127,7 @@ def trl_steps(steps: int, root: Path) -> tuple[list[float], list[float]]:
         beta=0.0,
         logging_steps=1,
         report_to=[],
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),
         bf16=False,
         save_strategy="no",
         seed=0,
@@ -132,6 +141,7 @@ def trl_steps(steps: int, root: Path) -> tuple[list[float], list[float]]:
         callbacks=[Timer()],
     )
     trainer.train()
+    peak_memory("trl")
     return seconds, rewards
 
 
@@ -150,11 +160,21 @@ def main() -> None:
     ap.add_argument(
         "--bf16", action="store_true", help="also time Journeyman with bf16 autocast in the trainer"
     )
+    ap.add_argument(
+        "--bf16-weights",
+        action="store_true",
+        help="also time Journeyman with the model held in bf16 (engine and trainer; LoRA weights too)",
+    )
     ap.add_argument("--skip-trl", action="store_true")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="jm-bench-"))
+    print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}", flush=True)
     rows = {}
-    train: dict[str, list[float]] = {"journeyman fp32": [], "journeyman bf16-autocast": []}
+    train: dict[str, list[float]] = {
+        "journeyman fp32": [],
+        "journeyman bf16-autocast": [],
+        "journeyman bf16 weights": [],
+    }
     rows["journeyman fp32"] = asyncio.run(
         journeyman_steps(args.steps, root / "jm", bf16=False, train_seconds=train["journeyman fp32"])
     )
@@ -162,6 +182,16 @@ def main() -> None:
         rows["journeyman bf16-autocast"] = asyncio.run(
             journeyman_steps(
                 args.steps, root / "jm16", bf16=True, train_seconds=train["journeyman bf16-autocast"]
+            )
+        )
+    if args.bf16_weights:
+        rows["journeyman bf16 weights"] = asyncio.run(
+            journeyman_steps(
+                args.steps,
+                root / "jmbf16",
+                bf16=False,
+                train_seconds=train["journeyman bf16 weights"],
+                dtype="bfloat16",
             )
         )
     if not args.skip_trl:
