@@ -282,9 +282,7 @@ class LocalBackend:
 
     @staticmethod
     async def _serve_step(s: _Service, step: int) -> None:
-        latest = s.store.latest_step()
-        if not 0 <= step <= latest:
-            raise InvalidFieldError("step", step, f"the run at {s.store.root} has steps 0..{latest}")
+        s.store.check_step(step)
         if step == s.engine.step:
             return
         ckpt = s.store.checkpoint_dir(step)

@@ -88,6 +88,12 @@ class RunStore:
     def latest_step(self) -> int:
         return int(self.state()["step"])
 
+    def check_step(self, step: int) -> None:
+        """Refuse, naming it, a step this run does not have (0, the base model, it always has)."""
+        latest = self.latest_step()
+        if not 0 <= step <= latest:
+            raise InvalidFieldError("step", step, f"the run at {self.root} has steps 0..{latest}")
+
     def write_state(self, step: int, request: tuple[str, dict[str, Any]] | None = None, **extra: Any) -> None:
         """The run's commit point, written atomically (a kill never leaves half a state).
 
