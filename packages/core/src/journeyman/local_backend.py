@@ -505,6 +505,11 @@ class LocalBackend:
     def run_dir(self, model: ModelConfig) -> Path:
         return self.path / model.project / "models" / model.name
 
+    def check_step(self, model: ModelConfig, step: int) -> None:
+        """Refuse, naming it, a step `model`'s run on disk lacks: read from its run files, so a caller
+        can check before `register` loads the model (which `serve_step` would check after)."""
+        RunStore(self.run_dir(model)).check_step(step)
+
     def close(self) -> None:
         for s in self._services.values():
             s.server.stop()

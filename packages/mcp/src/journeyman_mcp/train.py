@@ -19,7 +19,6 @@ from typing import Any
 
 import journeyman as jm
 from journeyman.plot import plot_history
-from journeyman.store import RunStore
 from pydantic import BaseModel, Field
 
 from .players import BASE, NONE, Player, policy_player, resolve_against
@@ -654,7 +653,7 @@ async def eval_step(settings: McpRlSettings, step: int | None, echo: Echo = prin
         )
         if step is not None and isinstance(backend, jm.LocalBackend):
             # a step the run lacks is refused before the model loads (a remote run is asked below)
-            RunStore(backend.run_dir(model)).check_step(step)
+            backend.check_step(model, step)
         await model.register(backend)
         if step is not None:
             await model.serve_step(step)  # refuses a step the run does not have, naming it
