@@ -54,7 +54,8 @@ async def journeyman_steps(
         # token positions the model ran (packed: no padding, shared prefixes once) against the
         # rows' own lengths
         print(
-            f"journeyman step {step}: {seconds[-1]:.1f}s (rollout {t1 - t0:.1f}s, train {train_seconds[-1]:.1f}s) "
+            f"journeyman step {step}: {seconds[-1]:.1f}s (rollout {t1 - t0:.1f}s, train {train_seconds[-1]:.1f}s, "
+            f"of which the optimizer step {m.get('train_seconds', float('nan')):.1f}s) "
             f"reward {rewards[-1]:.3f} engine/trainer gap {m.get('engine_trainer_logprob_gap', float('nan')):.2e} "
             f"model tokens {m.get('forward_tokens', float('nan')):.0f} (rows {m.get('row_tokens', float('nan')):.0f}, "
             f"trained {m.get('trained_tokens', 0.0):.0f})",

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from journeyman.loss import group_advantages, policy_loss, token_logprobs
+from journeyman.loss import group_advantages, head_logprobs, policy_loss, token_logprobs
 
 
 def test_group_advantages() -> None:
@@ -20,6 +20,31 @@ def test_token_logprobs_is_log_softmax_at_target() -> None:
     logits = torch.tensor([[2.0, 0.0, -1.0]])
     expected = 2.0 - math.log(math.exp(2) + 1 + math.exp(-1))
     assert float(token_logprobs(logits, torch.tensor([0]))[0]) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("vocab", [7, 50_000])  # one chunk; several chunks, the last one short
+def test_head_logprobs_match_autograd_through_the_full_logits(vocab: int) -> None:
+    """The LM head's logprobs with their gradient worked out chunk by chunk in the forward pass give
+    the values and the gradient autograd gives through the whole (N, V) logits; no gradient is
+    worked out where none is asked for."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, vocab, bias=False).requires_grad_(False)
+    torch.nn.init.normal_(head.weight, generator=g)
+    hidden = torch.randn(300, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, vocab, (300,), generator=g)
+    weights = torch.randn(300, generator=g)  # a different upstream gradient per token
+
+    expected = token_logprobs(head(hidden), targets)
+    (want,) = torch.autograd.grad((expected * weights).sum(), hidden)
+    got = head_logprobs(hidden, head, targets)
+    (grad,) = torch.autograd.grad((got * weights).sum(), hidden)
+    assert torch.allclose(got, expected, atol=1e-5) and torch.allclose(grad, want, atol=1e-5)
+    with torch.no_grad():
+        assert torch.allclose(head_logprobs(hidden, head, targets), expected, atol=1e-5)
+    # a head that trains (or carries a bias) goes through autograd as is: its own gradient is kept
+    head.requires_grad_(True)
+    head_logprobs(hidden, head, targets).sum().backward()
+    assert head.weight.grad is not None
 
 
 def _case(log_ratio: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:

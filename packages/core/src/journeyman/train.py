@@ -46,7 +46,7 @@ from .adapter import LoraPolicy, cache_kv
 from .chat_format import ChatFormat
 from .collective import Collective, balanced_share
 from .config import TrainConfig
-from .loss import group_advantages, policy_loss, token_logprobs
+from .loss import group_advantages, head_logprobs, policy_loss
 from .tokenize import MIN_SHARED_PREFIX, Row, common_prefix_length, trajectory_rows
 from .types import TrajectoryGroup
 
@@ -235,14 +235,25 @@ def row_attention(
     the keys of that row's tokens only, through the model's own attention function (`pack_attention`)
     with the matching block of the packed mask (causal, sliding window). The same numbers as the
     whole (L, L) masked product, for the sum over rows of span x row length instead of L²: on
-    `bench/grpo_step.py` packs of ~1000 tokens, ~25x fewer score entries."""
+    `bench/grpo_step.py` packs of ~1000 tokens, ~25x fewer score entries.
+
+    Every row's keys and values are gathered in one index and cut apart with `split`, and the
+    queries split by span (the spans tile the sequence in order): the backward of that is one
+    concatenation and one scatter-add. Indexing or slicing row by row gave each row's gradient the
+    shape of the whole sequence, zero-filled and added up: per layer, rows x (L, head dim) of memory
+    traffic for keys, values and queries alike, ~10% of a train step on the CPU."""
     inner = ALL_ATTENTION_FUNCTIONS[pack_attention]
+    places = torch.cat([keys for _, _, keys in pack_spans])  # (sum of row lengths,)
+    lengths = [len(keys) for _, _, keys in pack_spans]
+    row_keys = key[:, :, places].split(lengths, dim=2)
+    row_values = value[:, :, places].split(lengths, dim=2)
+    row_queries = query.split([end - start for start, end, _ in pack_spans], dim=2)
     outs = []
-    for start, end, keys in pack_spans:
+    for (start, end, keys), q, k, v in zip(pack_spans, row_queries, row_keys, row_values, strict=True):
         if start == end:  # a row the one before it holds whole (the same sample twice)
             continue
         mask = None if attention_mask is None else attention_mask[:, :, start:end][..., keys]
-        out, _ = inner(module, query[:, :, start:end], key[:, :, keys], value[:, :, keys], mask, **kwargs)
+        out, _ = inner(module, q, k, v, mask, **kwargs)
         outs.append(out)  # (1, span, heads, head dim)
     return torch.cat(outs, dim=1), None
 
@@ -283,7 +294,7 @@ def packed_logprobs(
         ).last_hidden_state  # (1, L, H)
     # the hidden state at position p of a row predicts its token p + 1, the target at pos = p
     at, targets = inputs.places[rows, pos], inputs.ids[0, inputs.places[rows, pos + 1]]
-    return token_logprobs(causal_lm.lm_head(hidden[0, at]), targets)
+    return head_logprobs(hidden[0, at], causal_lm.lm_head, targets)
 
 
 def pad_rows(batch: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -322,7 +333,7 @@ def trained_logprobs(
     if not shared:
         hidden = causal_lm.model(input_ids=ids, attention_mask=attn).last_hidden_state  # (B, T, H)
         # the hidden state at position p predicts token p + 1, the target at pos = p
-        return token_logprobs(causal_lm.lm_head(hidden[rows, pos]), targets)
+        return head_logprobs(hidden[rows, pos], causal_lm.lm_head, targets)
     b = ids.shape[0]
     prefix = DynamicCache()
     causal_lm.model(input_ids=ids[:1, :shared], past_key_values=prefix, use_cache=True)
@@ -337,7 +348,7 @@ def trained_logprobs(
         past_key_values=cache,
         use_cache=True,
     ).last_hidden_state  # (B, T - shared, H): position t of the row is hidden[:, t - shared]
-    return token_logprobs(causal_lm.lm_head(hidden[rows, pos - shared]), targets)
+    return head_logprobs(hidden[rows, pos - shared], causal_lm.lm_head, targets)
 
 
 def _return_freed_memory() -> None:
