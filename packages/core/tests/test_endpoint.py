@@ -489,6 +489,31 @@ async def test_torch_work_runs_on_the_sampling_thread_between_batches(served) ->
         await engine.call(work)
 
 
+def test_shared_prefix_attention_is_the_models_own_attention() -> None:
+    """Decoding one token a row, the prefix every row holds read once for the batch gives what SDPA
+    gives reading each row's copy: grouped-query heads, a row padded on the left, unfilled slots."""
+    import torch
+    from journeyman.engine.prefix_attention import shared_prefix_attention
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    g = torch.Generator().manual_seed(0)
+    rows, kv_heads, rep, d, prefix, own = 5, 3, 3, 64, 40, 12
+    key, value = (torch.randn(rows, kv_heads, prefix + own, d, generator=g) for _ in range(2))
+    key[:, :, :prefix], value[:, :, :prefix] = key[:1, :, :prefix], value[:1, :, :prefix]
+    query = torch.randn(rows, kv_heads * rep, 1, d, generator=g)
+    mask = torch.ones(rows, 1, 1, prefix + own, dtype=torch.bool)
+    mask[1, ..., prefix : prefix + 5] = False  # padding between the prefix and a shorter row's own tokens
+    mask[..., -3:] = False  # slots of the static cache not written yet
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups = rep  # what a GQA attention module carries; SDPA reads it
+    want, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, scaling=d**-0.5)
+    got, _ = shared_prefix_attention(
+        module, query, key, value, mask, prefix_slots=prefix, prefix_attention="sdpa", scaling=d**-0.5
+    )
+    assert got.shape == want.shape == (rows, 1, kv_heads * rep, d)
+    assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+
+
 async def test_a_shared_prompt_prefix_is_prefilled_once_and_stays_exact(served) -> None:
     """Concurrent requests that share the system prompt and tools (and one with n=2) reuse one cached
     prefix KV; every record still equals the trainer's teacher-forced logprobs. A weight change

@@ -38,6 +38,18 @@ def cache_kv(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+@contextlib.contextmanager
+def attention_implementation(causal_lm: Any, name: str) -> Iterator[str]:
+    """The model's attention switched to `name` (a registered `AttentionInterface` function) for the
+    block; yields the one it had."""
+    before = causal_lm.config._attn_implementation
+    causal_lm.set_attn_implementation(name)
+    try:
+        yield before
+    finally:
+        causal_lm.set_attn_implementation(before)
+
+
 def pick_device(device: str | None = None, rank: int | None = None) -> torch.device:
     """`device` as given, by default a GPU when there is one. Plain "cuda" means this rank's GPU:
     rank r of a machine on GPU r mod their count (torchrun's LOCAL_RANK when no rank is given),

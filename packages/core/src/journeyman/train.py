@@ -42,7 +42,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .adapter import LoraPolicy, cache_kv
+from .adapter import LoraPolicy, attention_implementation, cache_kv
 from .chat_format import ChatFormat
 from .collective import Collective, balanced_share
 from .config import TrainConfig
@@ -259,18 +259,6 @@ def row_attention(
 
 
 AttentionInterface.register(ROW_ATTENTION, row_attention)
-
-
-@contextlib.contextmanager
-def attention_implementation(causal_lm: Any, name: str) -> Iterator[str]:
-    """The model's attention switched to `name` (a registered `AttentionInterface` function) for the
-    block; yields the one it had."""
-    before = causal_lm.config._attn_implementation
-    causal_lm.set_attn_implementation(name)
-    try:
-        yield before
-    finally:
-        causal_lm.set_attn_implementation(before)
 
 
 def packed_logprobs(

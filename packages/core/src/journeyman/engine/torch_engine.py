@@ -37,6 +37,7 @@ from ..adapter import LoraPolicy, cache_kv
 from ..errors import EngineDownError
 from ..tokenize import MIN_SHARED_PREFIX, common_prefix_length
 from .base import Engine, FinishReason, Sample, SamplingParams, T, hand_over
+from .prefix_attention import prefix_attention
 
 log = logging.getLogger("journeyman.engine")
 
@@ -88,6 +89,7 @@ class _Batch:
     logits: torch.Tensor  # (B, V): for each row's next token
     temps: torch.Tensor  # (B,)
     top_ps: torch.Tensor  # (B,)
+    prefix: int = 0  # leading cache slots that hold the same keys and values in every row
 
 
 def _room(rows: list[_Row]) -> int:
@@ -99,7 +101,7 @@ def _join(a: _Batch, b: _Batch, config: Any) -> _Batch:
     """One batch of both: each row's filled slots right-aligned to the longer of the two, so every
     row writes its next token into the same slot. Positions are per row (RoPE is applied before
     caching), so where a row's slots sit does not change what it computes."""
-    la, lb = a.mask.shape[1], b.mask.shape[1]
+    la, lb = a.mask.shape[1], b.mask.shape[1]  # the shorter moves right: no prefix slots in common
     length = max(la, lb)
     rows = [*a.rows, *b.rows]
     cache = StaticCache(config=config, max_cache_len=length + _room(rows))
@@ -173,6 +175,8 @@ class TorchEngine(Engine):
         self._grammars_lock = threading.Lock()
         # (policy version, token ids, per-layer (K, V)) of the last shared prompt prefix
         self._prefix: tuple[int, tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        # the model's own attention while `shared_prefix_attention` stands in for it; None: not in use
+        self._inner_attention: str | None = None
         self._thread = threading.Thread(target=self._work, name="journeyman-engine", daemon=True)
         self._thread.start()
 
@@ -261,6 +265,9 @@ class TorchEngine(Engine):
                     if not jobs:  # a call came first
                         continue
                     held.enter_context(self.policy.sampling())
+                    self._inner_attention = held.enter_context(
+                        prefix_attention(self.policy.model.get_base_model())
+                    )
                     self._queued_since = None
                     batch = self._guarded(jobs, self._prefill, jobs)
                 elif (
@@ -435,6 +442,7 @@ class TorchEngine(Engine):
             out.logits[:, -1, :].float()[fan],
             torch.tensor([r.job.params.temperature for r in rows], device=device),
             torch.tensor([r.job.params.top_p for r in rows], device=device),
+            prefix=shared,
         )
 
     @torch.inference_mode()
@@ -485,9 +493,16 @@ class TorchEngine(Engine):
             position_ids=batch.pos,
             past_key_values=batch.cache,
             use_cache=True,
+            **self._prefix_kwargs(batch.prefix),
         )
         batch.logits = out.logits[:, -1, :].float()
         return batch
+
+    def _prefix_kwargs(self, prefix: int) -> dict[str, Any]:
+        """What `shared_prefix_attention` needs to read the batch's shared prefix once."""
+        if self._inner_attention is None or not prefix:
+            return {}
+        return {"prefix_slots": prefix, "prefix_attention": self._inner_attention}
 
     def _retire(self, row: _Row) -> None:
         """A finished row's sample goes to its job; the job is answered when its last row is done,
