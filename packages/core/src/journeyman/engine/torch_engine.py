@@ -12,7 +12,8 @@ quantity the trainer computes. It samples with the adapter merged into the base 
 Agent prompts are mostly a shared prefix (system prompt, tool definitions: ~570 of ~600 tokens on
 an MCP server), and prefill was the larger part of a rollout turn. The KV of the prefix a batch's
 prompts share is computed once at batch 1, kept across batches until the weights change
-(`LoraPolicy.version`), and copied into each row's static cache.
+(`LoraPolicy.version`), and copied into each row's static cache; on the CPU, decoding then reads
+it once for the whole batch (`prefix_attention`).
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ class TorchEngine(Engine):
         # Continuous batching: requests that arrive while a batch samples join it. Off by default:
         # on this 2-core CPU it measured 0.88x static batching at 8 concurrent two-turn rollouts,
         # 1.12x at 32 and 1.02x at 64 (bench/engine_throughput.py), again 0.90x and 0.98x at 8 and
-        # 32 once torch work ran on the sampling thread (2026-11-25), and a join holds the old and
+        # 32 once torch work ran on the sampling thread (2026-11-25), 0.98x and 0.92x once a shared
+        # prefix was read once per token (static 78.6 and 155.9 tok/s), and a join holds the old and
         # the new cache at once (the 64-rollout soak peaked ~1 GiB higher). A join copies every
         # running row's cache; a slot-allocated cache that new rows write into is what would make it pay.
         self.continuous = continuous
@@ -257,6 +259,7 @@ class TorchEngine(Engine):
             while True:
                 if batch is None:
                     held.close()  # idle: the weights are free for a training step
+                    self._inner_attention = None
                     self._run_calls()
                     jobs = self._take(carry, self.max_batch_rows, wait=True)
                     if jobs is None:
