@@ -77,10 +77,9 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
     """`token_logprobs(head(hidden), targets)`, (N, H), (N,) -> (N,) in fp32, without keeping the
     (N, V) logits (`_HeadLogprobs`) when `head` is a plain frozen linear layer, as an LM head that
     LoRA leaves alone is; any other head goes through autograd as is."""
-    weight = getattr(head, "weight", None)
-    if type(head) is not torch.nn.Linear or head.bias is not None or weight is None or weight.requires_grad:
+    if type(head) is not torch.nn.Linear or head.bias is not None or head.weight.requires_grad:
         return token_logprobs(head(hidden), targets)
-    return _HeadLogprobs.apply(hidden, weight, targets)
+    return _HeadLogprobs.apply(hidden, head.weight, targets)
 
 
 def _clipped(ratio: torch.Tensor, adv: torch.Tensor, eps: float, eps_high: float) -> torch.Tensor:
