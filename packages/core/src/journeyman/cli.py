@@ -241,11 +241,15 @@ def serve(
         list[str] | None,
         typer.Option("--report-to", help="mirror each model's history to: wandb (repeatable)"),
     ] = None,
+    ssl_certfile: Annotated[
+        Path | None, typer.Option(help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
+    ] = None,
+    ssl_keyfile: Annotated[Path | None, typer.Option(help="the certificate's private key (PEM)")] = None,
 ) -> None:
     """Serve the Backend protocol and every model's OpenAI endpoint over HTTP, for `jm.RemoteBackend`.
 
-    Every request needs `Authorization: Bearer <token>`: the token is $JOURNEYMAN_TOKEN, or a new one
-    printed at start."""
+    Every request needs `Authorization: Bearer <token>`: $JOURNEYMAN_TOKEN (or a new one printed at
+    start) is an admin token; `journeyman token add` makes named ones with narrower scopes."""
     import os
     import secrets
 
@@ -253,9 +257,11 @@ def serve(
     from .server import serve as run
 
     token = os.environ.get("JOURNEYMAN_TOKEN") or secrets.token_urlsafe(32)
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    if host not in ("127.0.0.1", "localhost", "::1") and ssl_certfile is None:
         typer.echo(
-            f"warning: binding {host}: reachable from other machines; put TLS in front (README)", err=True
+            f"warning: binding {host} without TLS: tokens cross the network in the clear; pass "
+            "--ssl-certfile/--ssl-keyfile or put a TLS reverse proxy in front (README)",
+            err=True,
         )
 
     def ready(url: str) -> None:
@@ -271,7 +277,54 @@ def serve(
         port=port,
         max_body_bytes=int(max_body_mb * 2**20),
         on_ready=ready,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
     )
+
+
+token_app = typer.Typer(
+    help="Named API tokens of `journeyman serve` (scopes: sample < train < admin); a running server "
+    "sees changes on its next request.",
+    no_args_is_help=True,
+)
+app.add_typer(token_app, name="token")
+_TOKEN_PATH = Annotated[Path, typer.Option(help="the server's run directory root (its --path)")]
+
+
+@token_app.command("add")
+def token_add(
+    name: Annotated[str, typer.Argument(help="who holds it (named in the history rows it trains)")],
+    scope: Annotated[str, typer.Option(help="sample, train or admin")] = "sample",
+    path: _TOKEN_PATH = Path(".journeyman"),
+) -> None:
+    """Add a token and print its secret (shown once; the server keeps only its sha256)."""
+    from .tokens import SCOPES, TOKENS_FILE, TokenBook
+
+    if scope not in SCOPES:
+        raise typer.BadParameter(f"use one of {', '.join(SCOPES)}", param_hint="--scope")
+    typer.echo(TokenBook(path / TOKENS_FILE).add(name, scope))  # pyright: ignore[reportArgumentType]
+
+
+@token_app.command("revoke")
+def token_revoke(
+    name: Annotated[str, typer.Argument(help="the token's name")], path: _TOKEN_PATH = Path(".journeyman")
+) -> None:
+    """Revoke a token: the next request that presents it gets a 401."""
+    from .tokens import TOKENS_FILE, TokenBook
+
+    if not TokenBook(path / TOKENS_FILE).revoke(name):
+        raise typer.BadParameter(f"no token named {name!r}", param_hint="name")
+
+
+@token_app.command("list")
+def token_list(path: _TOKEN_PATH = Path(".journeyman")) -> None:
+    """The tokens in the file: name, scope, when added (never the secrets)."""
+    import time
+
+    from .tokens import TOKENS_FILE, TokenBook
+
+    for t in TokenBook(path / TOKENS_FILE).tokens():
+        typer.echo(f"{t.name}\t{t.scope}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(t.created_at))}")
 
 
 if __name__ == "__main__":

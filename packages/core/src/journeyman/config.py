@@ -20,12 +20,12 @@ DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
 
 LossKind = Literal["ppo", "cispo", "gspo"]
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: `$` would let a trailing newline through
 
 
 def check_name(field: str, value: str) -> str:
     """Names become directories: refuse anything that could escape the run directory."""
-    if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
+    if not isinstance(value, str) or not _NAME.fullmatch(value) or ".." in value:
         raise InvalidFieldError(field, value, "use letters, digits, '.', '_' and '-' (no '/', no '..')")
     return value
 

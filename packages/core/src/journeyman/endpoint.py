@@ -405,14 +405,18 @@ def build_app(endpoint: Served) -> FastAPI:
 class ServerThread:
     """Runs the app with uvicorn on 127.0.0.1 (a free port) in a daemon thread."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
         import uvicorn
+
+        from .guard import HeaderTimeoutH11
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30)
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_keep_alive=30, http=HeaderTimeoutH11
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="journeyman-endpoint"

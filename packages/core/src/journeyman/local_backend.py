@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +32,6 @@ if TYPE_CHECKING:
     from .train import GRPOTrainer
 
 log = logging.getLogger("journeyman")
-
-API_KEY = "journeyman"  # the in-process endpoint listens on 127.0.0.1 only; clients still send a key
 
 
 def _prefixed(split: str, metrics: Mapping[str, float]) -> dict[str, float]:
@@ -161,14 +160,28 @@ class LocalBackend:
         self.device = device
         self.dtype = dtype
         self._services: dict[str, _Service] = {}
+        self._registering = asyncio.Lock()
+        # The key each model's own endpoint (127.0.0.1) demands: another local user cannot sample
+        # from it or file captures; `inference()` hands it to this process's clients.
+        self.api_key = secrets.token_urlsafe(24)
 
     # -- serving -----------------------------------------------------------------------------------
 
     async def register(self, model: ModelConfig) -> None:
-        if model.name in self._services:
-            self._services[model.name].model = model
-            return
-        self._services[model.name] = await asyncio.to_thread(self._start, model)
+        async with self._registering:  # two calls for one new name must not both load it
+            served = self._services.get(model.name)
+            if served is None:
+                self._services[model.name] = await asyncio.to_thread(self._start, model)
+                return
+            for field in ("project", "base_model", "lora", "chat_format"):
+                if getattr(served.model, field) != getattr(model, field):
+                    raise InvalidFieldError(
+                        f"model.{field}",
+                        getattr(model, field),
+                        f"the model {model.name!r} is served with {field}={getattr(served.model, field)!r}; "
+                        "register another name for another model",
+                    )
+            served.model = model  # what may change: max_tokens and the like
 
     def _start(self, model: ModelConfig) -> _Service:
         # The heavy modules load here, when a model is first served, not at `import journeyman`.
@@ -179,7 +192,12 @@ class LocalBackend:
         from .weights import resolve_base_model
 
         weights = resolve_base_model(model.base_model)
-        policy = LoraPolicy(weights, model.lora, device=self.device, dtype=self.dtype)
+        try:
+            policy = LoraPolicy(weights, model.lora, device=self.device, dtype=self.dtype)
+        except ValueError as e:  # peft: a target module the model lacks
+            raise InvalidFieldError(
+                "model.lora.target_modules", model.lora.target_modules, str(e)[:300]
+            ) from e
         chat_format = ChatFormat(policy.tokenizer, family=model.chat_format)
         store = RunStore(self.run_dir(model))
         step = store.resume_step()  # the committed step, or the newest good one if it is corrupt
@@ -203,7 +221,9 @@ class LocalBackend:
             from .distributed import RankGroup
 
             ranks = RankGroup(self.trainer_config, weights, model.lora, policy, trainer, self.dtype)
-        server = ServerThread(build_app(endpoint))
+        from .guard import DEFAULT_MAX_BODY_BYTES, Guard
+
+        server = ServerThread(Guard(build_app(endpoint), self.api_key, DEFAULT_MAX_BODY_BYTES))
         trackers = open_trackers(self.report_to, model, store.root)
         return _Service(
             model, policy, chat_format, engine, endpoint, server, store, trainer, ranks, trackers=trackers
@@ -264,7 +284,9 @@ class LocalBackend:
             if not self._services:
                 raise InvalidFieldError("model", None, "no model is registered with this backend")
             model_name = next(reversed(self._services))
-        return Inference(base_url=self.service(model_name).server.base_url, api_key=API_KEY, model=model_name)
+        return Inference(
+            base_url=self.service(model_name).server.base_url, api_key=self.api_key, model=model_name
+        )
 
     async def get_step(self, model: ModelConfig) -> int:
         return self.service(model).engine.step

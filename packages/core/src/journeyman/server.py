@@ -6,16 +6,17 @@ protocol under `/journeyman/v1/...` (see `remote_wire`). A `LocalBackend` does t
 server's engines, trainer and run directory are exactly those of a local run; `RemoteBackend` is
 its client.
 
-Security: every route, the OpenAI ones included, needs `Authorization: Bearer <token>` (compared
-in constant time; a 401 says nothing more). Request bodies are size-limited (413 names the limit).
-The server binds 127.0.0.1 unless told otherwise; put TLS in front of it (a reverse proxy) before
-exposing it beyond the machine.
+Security (README's threat model): every route, the OpenAI ones included, needs
+`Authorization: Bearer <token>` of a scope that allows it (`tokens.py`: sample < train < admin; a
+401 says nothing more, a 403 names the scope needed). Bodies are read whole before any route runs,
+capped as read (413), with an idle timeout (408); a connection must send its request head within
+`HEADER_TIMEOUT_S`. The server binds 127.0.0.1 unless told otherwise and speaks TLS when given a
+certificate and key.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -33,11 +34,18 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from .capture import CapturedCall
 from .config import ModelConfig, TrainResult
-from .errors import BackendUnavailableError, InvalidFieldError, JourneymanError, UnknownModelError
+from .errors import (
+    BackendUnavailableError,
+    BaseModelNotFoundError,
+    InvalidFieldError,
+    JourneymanError,
+    UnknownModelError,
+)
+from .guard import DEFAULT_MAX_BODY_BYTES, Guard, HeaderTimeoutH11, json_error, needed_scope, token_book
 from .local_backend import LocalBackend
 from .remote_wire import (
     PREFIX,
@@ -52,63 +60,13 @@ from .remote_wire import (
     TrainBody,
     TrainEvent,
 )
+from .tokens import TOKENS_FILE, Scope, TokenBook
 
 log = logging.getLogger("journeyman.server")
 
 B = TypeVar("B", bound=BaseModel)
-ASGIApp = Callable[
-    [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[..., Awaitable[None]]], Awaitable[None]
-]
-
-DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 HEARTBEAT_S = 15.0
-
-
-def _error(
-    status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", **extra: Any
-) -> JSONResponse:
-    error = {"message": message, "type": kind, "param": param, **extra}
-    return JSONResponse(status_code=status, content={"error": error})
-
-
-class Guard:
-    """ASGI middleware: the bearer token on every request, and a cap on the body's size."""
-
-    def __init__(self, app: ASGIApp, token: str, max_body_bytes: int) -> None:
-        self.app = app
-        self.expected = f"Bearer {token}".encode()
-        self.max = max_body_bytes
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-            return await _error(401, "unauthorized", kind="unauthorized")(scope, receive, send)
-        too_large = _error(
-            413, f"request body over the server's limit of {self.max} bytes (journeyman serve --max-body-mb)"
-        )
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max:
-            return await too_large(scope, receive, send)
-        if declared is not None:
-            return await self.app(scope, receive, send)
-        # No length declared (chunked): read the body here, up to the limit, then replay it.
-        messages, seen = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            seen += len(message.get("body", b""))
-            if seen > self.max:
-                return await too_large(scope, receive, send)
-            if message["type"] != "http.request" or not message.get("more_body"):
-                break
-        replay = iter(messages)
-
-        async def replayed() -> dict[str, Any]:
-            return next(replay, None) or await receive()
-
-        await self.app(scope, replayed, send)
+MAX_FINISHED_JOBS = 256
 
 
 async def _body(request: Request, model: type[B], limit: int) -> B:
@@ -127,6 +85,9 @@ async def _body(request: Request, model: type[B], limit: int) -> B:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"]) or "body"
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, InvalidFieldError):  # one of our validators: its own field, under where
+            raise InvalidFieldError(f"{where}.{inner.field}", inner.value, inner.reason) from e
         raise InvalidFieldError(where, err.get("input"), err["msg"]) from e
 
 
@@ -182,28 +143,40 @@ class ModelRouter:
         return [n for m in self.backend.registered() for n in self.backend.service(m).endpoint.served_names()]
 
 
-def create_app(backend: LocalBackend, token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The server's ASGI app (wrap it in `Guard` to serve it; `serve` does)."""
+class NewTokenBody(BaseModel):
+    name: str = Field(description="who will hold it (letters, digits, '.', '_', '-')")
+    scope: Scope = Field(description="sample < train < admin")
+
+
+def create_app(
+    backend: LocalBackend, tokens: TokenBook | str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
+    """The server's ASGI app (wrap it in `Guard` with the same tokens to serve it; `serve` does)."""
     from .endpoint import build_app
 
-    if len(token) < 16:
-        raise InvalidFieldError(
-            "token", "<hidden>", "use at least 16 characters (e.g. `openssl rand -hex 24`)"
-        )
+    book = token_book(tokens)
     app = build_app(ModelRouter(backend))
     jobs: dict[str, TrainJob] = {}
 
+    @app.exception_handler(BaseModelNotFoundError)
+    async def no_base(_: Request, e: BaseModelNotFoundError) -> JSONResponse:
+        # One answer for every miss: which of the server's paths exist is not the caller's business.
+        reason = (
+            "not a model this server can load (the embedded model, or a model directory or hub id it holds)"
+        )
+        return json_error(400, f"model.base_model: {reason}", "model.base_model", reason=reason)
+
     @app.exception_handler(UnknownModelError)
     async def unknown(_: Request, e: UnknownModelError) -> JSONResponse:
-        return _error(404, str(e), "model", "model_not_found", model=e.name, served=e.served)
+        return json_error(404, str(e), "model", "model_not_found", model=e.name, served=e.served)
 
     @app.exception_handler(InvalidFieldError)
     async def invalid(_: Request, e: InvalidFieldError) -> JSONResponse:
-        return _error(400, str(e), e.field, value=repr(e.value)[:200], reason=e.reason)
+        return json_error(400, str(e), e.field, value=repr(e.value)[:200], reason=e.reason)
 
     @app.exception_handler(JourneymanError)
     async def failed(_: Request, e: JourneymanError) -> JSONResponse:
-        return _error(500, f"{type(e).__name__}: {e}", kind="server_error")
+        return json_error(500, f"{type(e).__name__}: {e}", kind="server_error")
 
     def model_of(name: str) -> ModelConfig:
         if name not in backend.registered():
@@ -222,9 +195,26 @@ def create_app(backend: LocalBackend, token: str, *, max_body_bytes: int = DEFAU
     @app.post(f"{PREFIX}/register")
     async def register(request: Request) -> dict[str, Any]:
         model = (await body(request, RegisterBody)).model
+        _check_registry(backend, model)  # before loading anything: a name lives in one project
         await backend.register(model)
         _remember(backend, model)
         return {"run_dir": str(backend.run_dir(model))}
+
+    @app.get(f"{PREFIX}/tokens")
+    async def list_tokens() -> list[dict[str, Any]]:
+        return [t.model_dump(exclude={"sha256"}) for t in book.tokens()]
+
+    @app.post(f"{PREFIX}/tokens")
+    async def add_token(request: Request) -> dict[str, str]:
+        req = await body(request, NewTokenBody)
+        secret = await asyncio.to_thread(book.add, req.name, req.scope)
+        return {"name": req.name, "scope": req.scope, "token": secret}
+
+    @app.delete(f"{PREFIX}/tokens/{{name}}")
+    async def revoke_token(name: str) -> dict[str, bool]:
+        if not await asyncio.to_thread(book.revoke, name):
+            raise InvalidFieldError("name", name, "no token of that name")
+        return {"revoked": True}
 
     @app.get(f"{PREFIX}/models/{{name}}/step")
     async def step(name: str) -> dict[str, int]:
@@ -237,6 +227,7 @@ def create_app(backend: LocalBackend, token: str, *, max_body_bytes: int = DEFAU
         unless it runs or ran already (a retry reattaches), or failed (a retry runs it again)."""
         job = jobs.get(key)
         if job is None or (job.finished and job.events[-1].kind == "error"):
+            _forget_finished(jobs)
             job = jobs[key] = TrainJob(key)
             loop = asyncio.get_running_loop()
 
@@ -264,7 +255,11 @@ def create_app(backend: LocalBackend, token: str, *, max_body_bytes: int = DEFAU
         return start(
             req.idempotency_key,
             lambda progress: backend.train(
-                model, req.groups, req.config, idempotency_key=req.idempotency_key, on_progress=progress
+                model,
+                req.groups,
+                req.config,
+                idempotency_key=req.idempotency_key,
+                on_progress=progress,
             ),
         )
 
@@ -314,8 +309,35 @@ def create_app(backend: LocalBackend, token: str, *, max_body_bytes: int = DEFAU
     return app
 
 
+def _token_name(request: Request) -> str | None:
+    return request.scope.get("state", {}).get("token")
+
+
+def _forget_finished(jobs: dict[str, TrainJob]) -> None:
+    """Keep at most MAX_FINISHED_JOBS finished jobs in memory (oldest go first): an older key's retry
+    is answered from the run directory, where every committed key's result is kept."""
+    finished = [k for k, j in jobs.items() if j.finished]
+    for k in finished[: max(0, len(finished) - MAX_FINISHED_JOBS + 1)]:
+        del jobs[k]
+
+
 def _registry(backend: LocalBackend) -> Path:
     return backend.path / "server-models.json"
+
+
+def _check_registry(backend: LocalBackend, model: ModelConfig) -> None:
+    """Refuse a name the server already serves under another project (it would re-point the
+    registry, orphaning the first run after a restart)."""
+    path = _registry(backend)
+    known = json.loads(path.read_text()) if path.exists() else {}
+    project = (known.get(model.name) or {}).get("project")
+    if project is not None and project != model.project:
+        raise InvalidFieldError(
+            "model.project",
+            model.project,
+            f"the model {model.name!r} is registered on this server under project {project!r}; "
+            "a name lives in one project: pick another name",
+        )
 
 
 def _remember(backend: LocalBackend, model: ModelConfig) -> None:
@@ -346,14 +368,32 @@ def serve(
     port: int = 7800,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     on_ready: Callable[[str], None] | None = None,
+    ssl_certfile: str | Path | None = None,
+    ssl_keyfile: str | Path | None = None,
 ) -> None:
     """Serve until interrupted (uvicorn, this thread); models registered before a restart are
-    registered again by their clients and resume from the run directory."""
+    registered again by their clients and resume from the run directory.
+
+    `token` is the admin token; more, with scopes, live in `<backend.path>/tokens.json`
+    (`journeyman token add`). With `ssl_certfile` and `ssl_keyfile` the server speaks HTTPS itself."""
     import uvicorn
 
-    app = Guard(create_app(backend, token, max_body_bytes=max_body_bytes), token, max_body_bytes)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=30)
+    if (ssl_certfile is None) != (ssl_keyfile is None):
+        raise InvalidFieldError("ssl_keyfile", ssl_keyfile, "TLS needs both a certificate and its key")
+    book = TokenBook(backend.path / TOKENS_FILE, admin_secret=token)
+    app = Guard(create_app(backend, book, max_body_bytes=max_body_bytes), book, max_body_bytes)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_keep_alive=30,
+        http=HeaderTimeoutH11,
+        ssl_certfile=None if ssl_certfile is None else str(ssl_certfile),
+        ssl_keyfile=None if ssl_keyfile is None else str(ssl_keyfile),
+    )
     server = uvicorn.Server(config)
+    scheme = "https" if ssl_certfile is not None else "http"
 
     async def main() -> None:
         restored = await restore(backend)
@@ -363,7 +403,7 @@ def serve(
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started and on_ready is not None:
-            on_ready(f"http://{host}:{port}")
+            on_ready(f"{scheme}://{host}:{port}")
         await task
 
     try:
@@ -381,7 +421,8 @@ class ServerProcess:
     ) -> None:
         self.path, self.token = Path(path), token
         self.port = port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        scheme = "https" if "--ssl-certfile" in args else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.args = list(args)
         self.proc: subprocess.Popen[str] | None = None
 
@@ -424,4 +465,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "Guard", "ModelRouter", "ServerProcess", "create_app", "serve"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "Guard",
+    "HeaderTimeoutH11",
+    "ModelRouter",
+    "ServerProcess",
+    "create_app",
+    "needed_scope",
+    "serve",
+]
