@@ -31,7 +31,12 @@ def check_name(field: str, value: str) -> str:
 
 
 class LoraConfig(BaseModel):
-    r: int = Field(default=8, ge=1, description="LoRA rank")
+    r: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        description="LoRA rank (bounded: a served rank of 10^9 is a request for all memory)",
+    )
     alpha: int = Field(default=16, ge=1, description="LoRA alpha (scale = alpha / r)")
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     target_modules: list[str] | str = Field(default="all-linear", description="modules that get an adapter")

@@ -306,7 +306,48 @@ def create_app(
     async def run_dir(name: str) -> dict[str, str]:
         return {"path": str(backend.run_dir(model_of(name)))}
 
+    _document_bodies(app)
     return app
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Publish each route's request body in /openapi.json: the routes read raw bodies (gzip, the
+    OpenAI routes' lenient parsing), so FastAPI cannot see them; clients and schema fuzzers can."""
+    from pydantic.json_schema import models_json_schema
+
+    from .endpoint import ChatCompletionRequest
+
+    bodies: dict[str, type[BaseModel]] = {
+        "/v1/chat/completions": ChatCompletionRequest,
+        f"{PREFIX}/register": RegisterBody,
+        f"{PREFIX}/tokens": NewTokenBody,
+        f"{PREFIX}/models/{{name}}/train": TrainBody,
+        f"{PREFIX}/models/{{name}}/train_sft": SFTBody,
+        f"{PREFIX}/models/{{name}}/log": LogBody,
+        f"{PREFIX}/models/{{name}}/captures": CapturesBody,
+        f"{PREFIX}/models/{{name}}/serve_step": StepBody,
+        f"{PREFIX}/models/{{name}}/delete_checkpoints": DeleteCheckpointsBody,
+    }
+    responses = {"type": "object", "required": ["model", "input"], "properties": {"model": {"type": "string"}}}
+    made = FastAPI.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = made(app)
+        refs, defs = models_json_schema(
+            [(m, "validation") for m in bodies.values()], ref_template="#/components/schemas/{model}"
+        )
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        for path, m in [*bodies.items(), ("/v1/responses", None)]:
+            schema = responses if m is None else refs[(m, "validation")]
+            doc["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": schema}},
+            }
+        return doc
+
+    app.openapi = openapi  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _token_name(request: Request) -> str | None:
