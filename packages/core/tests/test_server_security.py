@@ -209,25 +209,21 @@ async def test_tls_when_given_a_certificate_and_key(tmp_path: Path, monkeypatch:
 
 
 @pytest.mark.integration
-async def test_a_models_own_endpoint_demands_the_backends_key(tmp_path: Path) -> None:
+async def test_a_models_own_endpoint_demands_the_backends_key(served: tuple[object, object]) -> None:
     """Nothing that serves a model listens without a token: the per-model endpoint a LocalBackend
     opens on 127.0.0.1 answers 401 to a request without the backend's key (another local user),
     and serves the key `inference()` hands out. The same name under another project is refused."""
-    backend = jm.LocalBackend(path=tmp_path)
-    try:
-        model = jm.TrainableModel(name="m", project="p")
-        await model.register(backend)
-        where = backend.inference("m")
-        async with httpx.AsyncClient(base_url=where.base_url, timeout=30) as http:
-            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-            for headers in ({}, {"authorization": "Bearer journeyman"}):
-                assert (await http.post("/chat/completions", json=body, headers=headers)).status_code == 401
-            r = await http.post(
-                "/chat/completions", json=body, headers={"authorization": f"Bearer {where.api_key}"}
-            )
-            assert r.status_code == 200 and r.json()["choices"][0]["journeyman"]["token_ids"]
-        with pytest.raises(jm.InvalidFieldError) as e:
-            await backend.register(jm.ModelConfig(name="m", project="other"))
-        assert e.value.field == "model.project"
-    finally:
-        backend.close()
+    model, backend = served
+    assert isinstance(model, jm.TrainableModel) and isinstance(backend, jm.LocalBackend)
+    where = backend.inference(model.name)
+    async with httpx.AsyncClient(base_url=where.base_url, timeout=30) as http:
+        body = {"model": model.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for headers in ({}, {"authorization": "Bearer journeyman"}):
+            assert (await http.post("/chat/completions", json=body, headers=headers)).status_code == 401
+        r = await http.post(
+            "/chat/completions", json=body, headers={"authorization": f"Bearer {where.api_key}"}
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["journeyman"]["token_ids"]
+    with pytest.raises(jm.InvalidFieldError) as e:
+        await backend.register(jm.ModelConfig(name=model.name, project="another-project"))
+    assert e.value.field == "model.project"
