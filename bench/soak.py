@@ -5,7 +5,10 @@ run at once (each: a forced tool call, the tool's result, a free answer, filed t
 scope as an agent adapter does), groups of 4 finish into a queue, and every `--train-every-s` the
 finished groups train one step while rollouts go on. Printed: rollouts, requests and errors; p50/p99
 request latency; peak RSS of the warm-up (rollouts and one training step: a step's activations are
-the peak) and of the measured part, where a leak shows as growth; what the endpoint holds.
+the peak) and of the measured part, where a leak shows as growth; what the endpoint holds. To tell a
+leak from allocator drift, each minute also records what malloc has handed out and not taken back
+(glibc `mallinfo2`: in use, not RSS) and how many Python objects are alive: a leak grows those; drift
+grows RSS while they stay flat.
 
     uv run python bench/soak.py                 # 10 minutes
     uv run python bench/soak.py --minutes 1     # what the test suite runs (tests/test_soak.py)
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import gc
 import json
 import math
 import random
@@ -59,6 +64,8 @@ class SoakReport(BaseModel):
     rss_warmup_peak_mib: float  # peak RSS of the warm-up, its training step included
     rss_peak_mib: float  # peak RSS of the measured part: a leak shows as growth over the warm-up's
     rss_by_minute_mib: list[float]  # median RSS of each measured minute: a leak shows as a slope
+    heap_by_minute_mib: list[float] = []  # malloc's bytes in use at the end of each minute
+    objects_by_minute: list[int] = []  # live Python objects (gc-tracked) at the end of each minute
     endpoint: dict[str, float]
 
     @property
@@ -67,14 +74,55 @@ class SoakReport(BaseModel):
 
     @property
     def rss_slope_mib_per_hour(self) -> float:
-        """Theil-Sen slope (the median of every pairwise slope) of the per-minute medians; 0 with
-        fewer than 3 minutes. Medians, and a median of slopes, because a training step's activation
-        peak comes and goes and one odd minute must not tilt the line; a leak stays."""
-        ys = self.rss_by_minute_mib
-        if len(ys) < 3:
-            return 0.0
-        pairs = [(ys[j] - ys[i]) / (j - i) for i in range(len(ys)) for j in range(i + 1, len(ys))]
-        return 60 * statistics.median(pairs)
+        """Theil-Sen slope of the per-minute medians (`per_hour`)."""
+        return per_hour(self.rss_by_minute_mib)
+
+    @property
+    def heap_slope_mib_per_hour(self) -> float:
+        return per_hour(self.heap_by_minute_mib)
+
+    @property
+    def objects_slope_per_hour(self) -> float:
+        return per_hour([float(n) for n in self.objects_by_minute])
+
+
+def per_hour(ys: list[float]) -> float:
+    """Theil-Sen slope (the median of every pairwise slope) of per-minute values, per hour; 0 with
+    fewer than 3 minutes. A median of slopes, because a training step's activation peak comes and
+    goes and one odd minute must not tilt the line; a leak stays."""
+    if len(ys) < 3:
+        return 0.0
+    pairs = [(ys[j] - ys[i]) / (j - i) for i in range(len(ys)) for j in range(i + 1, len(ys))]
+    return 60 * statistics.median(pairs)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def heap_in_use_mib() -> float:
+    """Bytes malloc has handed out and not had back (small blocks + mmapped ones), MiB; NaN off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return float("nan")
+    info = libc.mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
 
 
 def rss_mib() -> float:
@@ -175,16 +223,21 @@ async def soak(
             next_step += train_every_s
 
     rss: list[tuple[bool, float]] = []  # (measured part?, RSS MiB), once a second from the start
+    heap: list[float] = []  # malloc in use at the end of each measured minute
+    objects: list[int] = []
 
     async def sample_rss() -> None:
         start = time.monotonic()
         while time.monotonic() < stop_at:
             rss.append((measuring, rss_mib()))
+            if measuring and sum(m for m, _ in rss) % 60 == 0:
+                heap.append(heap_in_use_mib())
+                objects.append(len(gc.get_objects()))
             if len(rss) % 60 == 0:  # a line a minute: long runs show where they are
                 print(
                     f"[soak {(time.monotonic() - start) / 60:.0f} min] {rollouts} rollouts, "
-                    f"{sum(errors.values())} errors, {steps} train steps, RSS {rss[-1][1]:.0f} MiB"
-                    + ("" if measuring else " (warm-up)"),
+                    f"{sum(errors.values())} errors, {steps} train steps, RSS {rss[-1][1]:.0f} MiB, "
+                    f"malloc in use {heap_in_use_mib():.0f} MiB" + ("" if measuring else " (warm-up)"),
                     file=sys.stderr,
                     flush=True,
                 )
@@ -217,6 +270,8 @@ async def soak(
         rss_warmup_peak_mib=max(m for measured, m in rss if not measured),
         rss_peak_mib=max(measured),
         rss_by_minute_mib=by_minute,
+        heap_by_minute_mib=heap,
+        objects_by_minute=objects,
         endpoint=endpoint,
     )
 
@@ -231,12 +286,19 @@ def plot(report: SoakReport, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     minutes = range(1, len(report.rss_by_minute_mib) + 1)
     ax.plot(minutes, report.rss_by_minute_mib, marker="o", label="median RSS of the minute")
+    if report.heap_by_minute_mib:
+        ax.plot(
+            range(1, len(report.heap_by_minute_mib) + 1),
+            report.heap_by_minute_mib,
+            marker=".",
+            label=f"malloc in use ({report.heap_slope_mib_per_hour:+.0f} MiB/h)",
+        )
     ax.axhline(report.rss_warmup_peak_mib, color="grey", linestyle="--", label="warm-up peak")
     ax.set(
         xlabel="minute",
-        ylabel="RSS (MiB)",
+        ylabel="MiB",
         title=f"soak: {report.rollouts} rollouts, "
-        f"{sum(report.errors.values())} errors, {report.rss_slope_mib_per_hour:+.0f} MiB/h",
+        f"{sum(report.errors.values())} errors, RSS {report.rss_slope_mib_per_hour:+.0f} MiB/h",
     )
     ax.legend(loc="center right")
     fig.tight_layout()
@@ -251,7 +313,8 @@ def show(report: SoakReport) -> str:
         f"{report.latency_p50_s:.2f} s p99 {report.latency_p99_s:.2f} s; peak RSS {report.rss_warmup_peak_mib:.0f} "
         f"MiB in warm-up -> {report.rss_peak_mib:.0f} MiB measured ({report.rss_growth_mib:+.0f}); "
         f"median RSS by minute {report.rss_by_minute_mib[0]:.0f} -> {report.rss_by_minute_mib[-1]:.0f} MiB, "
-        f"slope {report.rss_slope_mib_per_hour:+.0f} MiB/h; "
+        f"slope {report.rss_slope_mib_per_hour:+.0f} MiB/h; malloc in use slope "
+        f"{report.heap_slope_mib_per_hour:+.0f} MiB/h; live Python objects slope {report.objects_slope_per_hour:+.0f}/h; "
         f"endpoint {json.dumps(report.endpoint)}"
         + (f"\nerrors: {json.dumps(report.errors, indent=1)}" if report.errors else "")
     )
