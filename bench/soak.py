@@ -29,6 +29,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -222,29 +223,37 @@ async def soak(
             await train_once()
             next_step += train_every_s
 
-    rss: list[tuple[bool, float]] = []  # (measured part?, RSS MiB), once a second from the start
+    # (seconds since start, measured part?, RSS MiB), once a second, from a thread of its own: a
+    # sampler on the event loop was starved by the rollouts and sampled far less than once a second
+    rss: list[tuple[float, bool, float]] = []
     heap: list[float] = []  # malloc in use at the end of each measured minute
     objects: list[int] = []
+    done = threading.Event()
 
-    async def sample_rss() -> None:
+    def sample_rss() -> None:
         start = time.monotonic()
-        while time.monotonic() < stop_at:
-            rss.append((measuring, rss_mib()))
-            if measuring and sum(m for m, _ in rss) % 60 == 0:
+        measured_minutes = 0
+        while not done.wait(1.0):
+            now = time.monotonic() - start
+            rss.append((now, measuring, rss_mib()))
+            if measuring and (now - measure_start) >= 60 * (measured_minutes + 1):
+                measured_minutes += 1
                 heap.append(heap_in_use_mib())
                 objects.append(len(gc.get_objects()))
             if len(rss) % 60 == 0:  # a line a minute: long runs show where they are
                 print(
-                    f"[soak {(time.monotonic() - start) / 60:.0f} min] {rollouts} rollouts, "
-                    f"{sum(errors.values())} errors, {steps} train steps, RSS {rss[-1][1]:.0f} MiB, "
+                    f"[soak {now / 60:.0f} min] {rollouts} rollouts, "
+                    f"{sum(errors.values())} errors, {steps} train steps, RSS {rss[-1][2]:.0f} MiB, "
                     f"malloc in use {heap_in_use_mib():.0f} MiB" + ("" if measuring else " (warm-up)"),
                     file=sys.stderr,
                     flush=True,
                 )
-            await asyncio.sleep(1.0)
 
     workers = [asyncio.create_task(worker(w)) for w in range(concurrency)]
-    sampler = asyncio.create_task(sample_rss())
+    measure_start = math.inf  # seconds after the sampler's start when the measured part began
+    sampler = threading.Thread(target=sample_rss, name="soak-sampler", daemon=True)
+    sampler_start = time.monotonic()
+    sampler.start()
     warm_until = time.monotonic() + warmup_s
     while (
         time.monotonic() < warm_until or len(ready) < groups_per_step
@@ -252,13 +261,20 @@ async def soak(
         await asyncio.sleep(0.5)
     await train_once()  # the first step allocates the optimizer state and training buffers: warm-up
     steps = 0
+    measure_start = time.monotonic() - sampler_start
     measuring, t0 = True, time.perf_counter()
     stop_at = time.monotonic() + seconds
-    await asyncio.gather(*workers, asyncio.create_task(trainer()), sampler)
+    await asyncio.gather(*workers, asyncio.create_task(trainer()))
+    done.set()
+    sampler.join()
     elapsed = time.perf_counter() - t0
     q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
-    measured = [m for was_measured, m in rss if was_measured]
-    by_minute = [statistics.median(measured[i : i + 60]) for i in range(0, len(measured), 60)]
+    measured = [m for _, was_measured, m in rss if was_measured]
+    minutes: dict[int, list[float]] = {}
+    for t, was_measured, m in rss:
+        if was_measured:
+            minutes.setdefault(int((t - measure_start) // 60), []).append(m)
+    by_minute = [statistics.median(v) for _, v in sorted(minutes.items())]
     return SoakReport(
         seconds=elapsed,
         rollouts=rollouts,
@@ -267,7 +283,7 @@ async def soak(
         train_steps=steps,
         latency_p50_s=q[49],
         latency_p99_s=q[98],
-        rss_warmup_peak_mib=max(m for measured, m in rss if not measured),
+        rss_warmup_peak_mib=max(m for _, measured, m in rss if not measured),
         rss_peak_mib=max(measured),
         rss_by_minute_mib=by_minute,
         heap_by_minute_mib=heap,
