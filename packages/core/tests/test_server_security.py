@@ -37,7 +37,7 @@ class Door:
 
     def http(self, secret: str | None = ADMIN) -> httpx.Client:
         headers = {"authorization": f"Bearer {secret}"} if secret else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=10)
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60)
 
 
 @pytest.fixture

@@ -69,10 +69,22 @@ HEARTBEAT_S = 15.0
 MAX_FINISHED_JOBS = 256
 
 
+OFF_LOOP_BYTES = 256 * 2**10
+
+
 async def _body(request: Request, model: type[B], limit: int) -> B:
-    """A JSON body (gzip-compressed or not) as `model`; errors name the bad field."""
+    """A JSON body (gzip-compressed or not) as `model`; errors name the bad field. A large body is
+    inflated and parsed on a worker thread: tens of MB of trajectories would hold the event loop,
+    and with it every other route, for seconds."""
     raw = await request.body()
-    if request.headers.get("content-encoding") == "gzip":
+    gzipped = request.headers.get("content-encoding") == "gzip"
+    if gzipped or len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(_parse, raw, model, limit, gzipped)
+    return _parse(raw, model, limit, gzipped)
+
+
+def _parse(raw: bytes, model: type[B], limit: int, gzipped: bool) -> B:
+    if gzipped:
         inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
         try:
             raw = inflate.decompress(raw, limit + 1)
@@ -328,7 +340,11 @@ def _document_bodies(app: FastAPI) -> None:
         f"{PREFIX}/models/{{name}}/serve_step": StepBody,
         f"{PREFIX}/models/{{name}}/delete_checkpoints": DeleteCheckpointsBody,
     }
-    responses = {"type": "object", "required": ["model", "input"], "properties": {"model": {"type": "string"}}}
+    responses = {
+        "type": "object",
+        "required": ["model", "input"],
+        "properties": {"model": {"type": "string"}},
+    }
     made = FastAPI.openapi
 
     def openapi() -> dict[str, Any]:
