@@ -136,6 +136,7 @@ async def test_rollouts_captures_and_a_train_step_through_the_server(server: Ser
     await model.log(groups, split="val", metrics={"reward_sem": 0.1})
     history = await model.history()
     assert [h["split"] for h in history] == ["train", "val"] and history[1]["val/reward_sem"] == 0.1
+    assert history[0]["trained_by"] == "env"  # the step's row names the token that trained it
     await model.serve_step(0)
     await model.serve_step(1)
     # RULER's judge="local" is the server's model, found through the backend (bearer token and all)

@@ -95,6 +95,67 @@ def test_names_that_escape_the_run_directory_are_refused() -> None:
         assert e.value.field == "name"
 
 
+async def test_a_token_id_outside_the_vocabulary_is_refused_before_anything_is_written(served) -> None:
+    """A forged record whose id has no embedding row is refused (InvalidFieldError: a 400 on the
+    server) by train, train_sft and log, naming where it sits and the id, with no file written."""
+    model, backend = served
+    vocab = backend.service(model).policy.model.get_input_embeddings().num_embeddings
+    user = {"role": "user", "content": "q"}
+    forged = jm.TrajectoryGroup(
+        [
+            jm.Trajectory(messages_and_choices=[user, _choice([1, 2], [3])], reward=1.0),
+            jm.Trajectory(messages_and_choices=[user, _choice([1, 2], [3, vocab])], reward=0.0),
+        ]
+    )
+    side = jm.Trajectory(
+        messages_and_choices=[user, _choice([1, 2], [3])],
+        additional_histories=[jm.History(messages_and_choices=[_choice([vocab + 7, 2], [3])])],
+    )
+    files = sorted(p.relative_to(model.run_dir) for p in model.run_dir.rglob("*"))
+    refused = []
+    for call in (
+        model.train([forged], idempotency_key="forged-id"),
+        model.train_sft([side]),
+        model.log([forged], split="val"),
+    ):
+        with pytest.raises(jm.InvalidFieldError) as e:
+            await call
+        refused.append((e.value.field, e.value.value))
+    assert refused == [
+        ("groups[0].trajectories[1].messages_and_choices[1].journeyman.token_ids[1]", vocab),
+        (
+            "trajectories[0].additional_histories[0].messages_and_choices[0].journeyman.prompt_token_ids[0]",
+            vocab + 7,
+        ),
+        ("groups[0].trajectories[1].messages_and_choices[1].journeyman.token_ids[1]", vocab),
+    ]
+    assert sorted(p.relative_to(model.run_dir) for p in model.run_dir.rglob("*")) == files
+
+
+async def test_the_groups_of_a_train_call_that_raised_are_kept_as_failed(served) -> None:
+    """A step whose trainer raises commits nothing; its groups are kept in `<step>.failed-<id>.jsonl`,
+    never in `<step>.jsonl`, which holds only what trained."""
+    model, _ = served
+    step = await model.get_step()
+    # no assistant turn to train on: the trainer raises once the step has begun
+    untrainable = jm.TrajectoryGroup(
+        [
+            jm.Trajectory(messages_and_choices=[{"role": "user", "content": "failed-step"}], reward=r)
+            for r in (0, 1)
+        ]
+    )
+    with pytest.raises(jm.NoTrainableTokensError) as e:
+        await model.train([untrainable], idempotency_key="raises-in-trainer")
+    assert e.value.field == "groups[0].trajectories[0]"
+    assert await model.get_step() == step
+    folder = model.run_dir / "trajectories" / "train"
+    failed = folder / f"{step:04d}.failed-raises-in-trainer.jsonl"
+    assert jm.TrajectoryGroup.model_validate_json(failed.read_text()) == untrainable
+    trained = folder / f"{step:04d}.jsonl"
+    assert not trained.exists() or "failed-step" not in trained.read_text()
+    assert not list(folder.glob("*.attempt-*"))
+
+
 async def _groups(model: jm.TrainableModel, n: int = 2, size: int = 4) -> list[jm.TrajectoryGroup]:
     client = model.openai_client()
     return await jm.gather_trajectory_groups(
@@ -104,6 +165,19 @@ async def _groups(model: jm.TrainableModel, n: int = 2, size: int = 4) -> list[j
         ),
         pbar_desc=None,
     )
+
+
+def _sampled_step(groups: list[jm.TrajectoryGroup]) -> int:
+    """The policy step that sampled the first trajectory's last turn, from its token record."""
+    choice = groups[0].trajectories[0].messages_and_choices[-1]
+    assert isinstance(choice, Choice)
+    record = jm.record_of(choice)
+    assert record is not None
+    return record.step
+
+
+def _fake_adapter(directory: Path, step: int) -> None:
+    (directory / "adapter_model.safetensors").write_bytes(bytes([step]) * 64)
 
 
 def _force_signal(groups: list[jm.TrajectoryGroup]) -> None:
@@ -131,7 +205,7 @@ async def test_step_checkpoint_serve_resume_and_prune(
     groups = await _groups(model)
     _force_signal(groups)
     before = [p.detach().clone() for p in service.policy.trainable_parameters()]
-    result = await model.train(groups, config=jm.TrainConfig(learning_rate=1e-3))
+    result = await backend.train(model, groups, config=jm.TrainConfig(learning_rate=1e-3), trained_by="alice")
     assert result.step == 1 and not result.skipped
     assert any(
         not torch.equal(a, b) for a, b in zip(before, service.policy.trainable_parameters(), strict=True)
@@ -141,7 +215,7 @@ async def test_step_checkpoint_serve_resume_and_prune(
     )  # in-process fp32: same weights sampled and trained
     # the endpoint now serves step 1
     fresh = await _groups(model, n=1, size=1)
-    assert jm.record_of(fresh[0].trajectories[0].messages_and_choices[-1]).step == 1
+    assert _sampled_step(fresh) == 1
     await model.log(fresh, split="val")
 
     run = model.run_dir
@@ -152,7 +226,8 @@ async def test_step_checkpoint_serve_resume_and_prune(
     assert saved.trajectories[0].records()
     history = [json.loads(x) for x in (run / "history.jsonl").read_text().splitlines()]
     assert [h["split"] for h in history] == ["train", "train", "val"]
-    assert history[1]["train/grad_norm"] > 0
+    assert history[1]["train/grad_norm"] > 0 and history[1]["trained_by"] == "alice"
+    assert "trained_by" not in history[0]
     # what the endpoint holds in memory is in every step's metrics: the turn cache, unpopped captures
     assert (
         history[1]["train/endpoint_turn_cache_tokens"] > 0
@@ -188,7 +263,7 @@ async def test_step_checkpoint_serve_resume_and_prune(
     await model2.serve_step(0)
     assert all(p.abs().sum() == 0 for n, p in policy2.model.named_parameters() if "lora_B" in n)
     fresh = await _groups(model2, n=1, size=1)
-    assert jm.record_of(fresh[0].trajectories[0].messages_and_choices[-1]).step == 0
+    assert _sampled_step(fresh) == 0
     with pytest.raises(jm.InvalidFieldError) as refused:
         await model2.train(groups)
     assert refused.value.field == "step"
@@ -220,11 +295,16 @@ async def test_step_checkpoint_serve_resume_and_prune(
     warning = caplog.text
     assert "step 3" in warning and "0003/adapter_model.safetensors" in warning and "truncated" in warning
     assert (model3.run_dir / "checkpoints" / "0003.corrupt").is_dir()
-    assert sorted(p.name for p in (model3.run_dir / "trajectories" / "train").iterdir()) == [
-        "0000.jsonl",
-        "0001.superseded.jsonl",
-        "0002.superseded.jsonl",
-        "0003.superseded.jsonl",  # the groups of the step the full disk cut off
+    names = sorted(p.name for p in (model3.run_dir / "trajectories" / "train").iterdir())
+    assert names[:3] == ["0000.jsonl", "0001.superseded.jsonl", "0002.superseded.jsonl"], names
+    assert len(names) == 4 and names[3].startswith("0003.failed-")  # the step the full disk cut off
+    # the history rows of the lost steps 1 and 2 moved aside with their groups; step 1's eval stays
+    history = await model3.history()
+    assert [(h["split"], h["step"]) for h in history] == [("train", 0), ("train", 0), ("val", 1)]
+    superseded = (model3.run_dir / "history.superseded.jsonl").read_text().splitlines()
+    assert [(json.loads(x)["split"], json.loads(x)["step"]) for x in superseded] == [
+        ("train", 1),
+        ("train", 2),
     ]
     policy3 = backend3.service(model3).policy
     assert all(torch.equal(a, b) for a, b in zip(trained, policy3.trainable_parameters(), strict=True))
@@ -236,9 +316,7 @@ def test_checkpoints_are_whole_and_a_bad_one_is_named_and_skipped(
 ) -> None:
     store = RunStore(tmp_path)
     for step in (1, 2):
-        store.write_checkpoint(
-            step, lambda d, step=step: (d / "adapter_model.safetensors").write_bytes(bytes([step]) * 64)
-        )
+        store.write_checkpoint(step, lambda d, step=step: _fake_adapter(d, step))
     store.write_state(2, base_model="b")
 
     def fails(d: Path) -> None:
@@ -380,7 +458,9 @@ def test_packed_rows_give_the_logprobs_and_gradients_of_padded_rows(served) -> N
                 logp = packed_logprobs(policy.model, p.inputs(device), rows_idx, pos_idx)
                 packed |= zip(map(id, p.rows), logp.split([sum(r.trained[1:]) for r in p.rows]), strict=True)
             grads = [
-                torch.autograd.grad(sum((weights[k] * lp).sum() for k, lp in logps.items()), params)
+                torch.autograd.grad(
+                    torch.stack([(weights[k] * lp).sum() for k, lp in logps.items()]).sum(), params
+                )
                 for logps in (padded, packed)
             ]
         finally:

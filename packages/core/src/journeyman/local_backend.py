@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -16,10 +17,10 @@ from .capture import CapturedCall
 from .config import ModelConfig, SFTConfig, TrainConfig, TrainerConfig, TrainResult, check_name
 from .errors import CheckpointError, InvalidFieldError
 from .observe import GroupContext, emit
-from .store import RunStore
+from .store import TRAINING_SPLITS, Attempt, RunStore
 from .tracking import Trackers, check_report_to, open_trackers
 from .trajectory_file import check_trajectories
-from .types import Trajectory, TrajectoryGroup
+from .types import History, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from .adapter import LoraPolicy
@@ -50,6 +51,48 @@ def _check_groups(groups: Sequence[TrajectoryGroup]) -> list[TrajectoryGroup]:
                 f"groups[{i}]", f"{len(g.pending)} pending rollouts", "await the group (or gather it) first"
             )
     return groups
+
+
+def _vocab_size(s: _Service) -> int:
+    """The token ids the served model can read: the rows of its input embedding."""
+    return int(s.policy.model.get_input_embeddings().num_embeddings)
+
+
+def _check_token_ids(items: Sequence[Trajectory | TrajectoryGroup], vocab: int, where: str) -> None:
+    """Refuse, by path and value, a record's token id the model has no embedding row for (a forged
+    or foreign record): checked before anything is written, so it never reaches a run file."""
+    for i, item in enumerate(items):
+        if isinstance(item, TrajectoryGroup):
+            named = [(f"{where}[{i}].trajectories[{j}]", t) for j, t in enumerate(item.trajectories)]
+        else:
+            named = [(f"{where}[{i}]", item)]
+        for path, t in named:
+            histories: list[tuple[str, History]] = [(path, t)]
+            histories += [
+                (f"{path}.additional_histories[{k}]", h) for k, h in enumerate(t.additional_histories)
+            ]
+            for hpath, h in histories:
+                for m, choice in enumerate(h.messages_and_choices):
+                    raw = (getattr(choice, "model_extra", None) or {}).get("journeyman")
+                    for name in ("prompt_token_ids", "token_ids"):
+                        ids = raw.get(name) if isinstance(raw, dict) else getattr(raw, name, None)
+                        if ids and not 0 <= min(ids) <= max(ids) < vocab:
+                            k = next(k for k, x in enumerate(ids) if not 0 <= x < vocab)
+                            raise InvalidFieldError(
+                                f"{hpath}.messages_and_choices[{m}].journeyman.{name}[{k}]",
+                                ids[k],
+                                f"is not a token id of this model (its vocabulary is 0..{vocab - 1})",
+                            )
+
+
+def _result_of(done: dict[str, Any]) -> TrainResult:
+    """A stored result back to a TrainResult: a metric stored as null (NaN in strict JSON) is NaN again."""
+    metrics = {k: math.nan if v is None else v for k, v in (done.get("metrics") or {}).items()}
+    return TrainResult.model_validate({**done, "metrics": metrics})
+
+
+def _by(row: dict[str, Any], trained_by: str | None) -> dict[str, Any]:
+    return row if trained_by is None else {**row, "trained_by": trained_by}
 
 
 def group_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
@@ -184,14 +227,15 @@ class LocalBackend:
             served.model = model  # what may change: max_tokens and the like
 
     def _start(self, model: ModelConfig) -> _Service:
+        from .weights import resolve_base_model
+
+        weights = resolve_base_model(model.base_model)  # a bad one is refused before torch loads
         # The heavy modules load here, when a model is first served, not at `import journeyman`.
         from .adapter import LoraPolicy
         from .chat_format import ChatFormat
         from .endpoint import Endpoint, ServerThread, build_app
         from .train import GRPOTrainer
-        from .weights import resolve_base_model
 
-        weights = resolve_base_model(model.base_model)
         try:
             policy = LoraPolicy(weights, model.lora, device=self.device, dtype=self.dtype)
         except ValueError as e:  # peft: a target module the model lacks
@@ -328,22 +372,27 @@ class LocalBackend:
         *,
         idempotency_key: str | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        trained_by: str | None = None,
     ) -> TrainResult:
         """One training step on `groups`; the endpoint serves the new step when this returns.
 
-        The groups are written to `trajectories/train/<step>.jsonl` before the update, so a crash
-        loses nothing; the adapter and optimizer go to `checkpoints/<step+1>/` after it, and
-        `state.json` commits the step. A call repeating an `idempotency_key` whose step completed
-        returns that step's result (even after a restart); one whose step was cut off trains it once,
-        without writing its groups twice. `on_progress(done, total)` reports micro-batches.
+        The groups are written to `trajectories/train/<step>.attempt-<id>.jsonl` before the update,
+        so a crash loses nothing, and become `<step>.jsonl` when the step commits (`<step>.failed-<id>`
+        if the call raises); the adapter and optimizer go to `checkpoints/<step+1>/`, and `state.json`
+        commits the step. A call repeating an `idempotency_key` whose step committed returns that
+        step's result (after any number of restarts); one whose step was cut off trains it once,
+        without writing its groups twice. A record's token id outside the model's vocabulary is
+        refused (InvalidFieldError) before anything is written. `on_progress(done, total)` reports
+        micro-batches; `trained_by` (who asked: an API token's name) goes into the history row.
         """
         config = config or TrainConfig()
         s = self.service(model)
         groups = _check_groups(groups)
+        _check_token_ids(groups, _vocab_size(s), "groups")
         if idempotency_key is not None:
             check_name("idempotency_key", idempotency_key)
         async with s.step_lock:
-            return await self._train(s, model, groups, config, idempotency_key, on_progress)
+            return await self._train(s, model, groups, config, idempotency_key, on_progress, trained_by)
 
     async def _train(
         self,
@@ -353,33 +402,37 @@ class LocalBackend:
         config: TrainConfig,
         idempotency_key: str | None,
         on_progress: Callable[[int, int], None] | None,
+        trained_by: str | None = None,
     ) -> TrainResult:
         begun = self._begin(s, model, groups, "train", idempotency_key)
         if isinstance(begun, TrainResult):
             return begun
-        step = begun
-        s.trackers.config({"train": config.model_dump(mode="json")})
-        await s.engine.sleep()
+        attempt, step = begun, begun.step
         try:
-            run = s.ranks.step if s.ranks is not None else s.trainer.step
-            # on the engine's thread, not a pool thread (`Engine.call`: one OpenMP team per process)
-            updated, metrics = await s.engine.call(run, groups, config, on_progress)
-        finally:
-            await s.engine.wake()
-        metrics.update(s.endpoint.stats())
-        if not updated:
-            log.warning(
-                "step %d skipped: none of the %d groups has rewards that differ (nothing to learn from)",
-                step,
-                len(groups),
-            )
-            result = TrainResult(step=step, metrics=metrics, skipped=True)
-            self._commit(s, model, step, idempotency_key, result)
-            self._record(
-                s, {"step": step, "split": "train", "skipped": True, **_prefixed("train", metrics)}, groups
-            )
-            return result
-        return await self._checkpoint(s, model, step, "train", metrics, groups, idempotency_key)
+            s.trackers.config({"train": config.model_dump(mode="json")})
+            await s.engine.sleep()
+            try:
+                run = s.ranks.step if s.ranks is not None else s.trainer.step
+                # on the engine's thread, not a pool thread (`Engine.call`: one OpenMP team per process)
+                updated, metrics = await s.engine.call(run, groups, config, on_progress)
+            finally:
+                await s.engine.wake()
+            metrics.update(s.endpoint.stats())
+            if not updated:
+                log.warning(
+                    "step %d skipped: none of the %d groups has rewards that differ (nothing to learn from)",
+                    step,
+                    len(groups),
+                )
+                result = TrainResult(step=step, metrics=metrics, skipped=True)
+                self._commit(s, model, step, attempt, idempotency_key, result)
+                row = {"step": step, "split": "train", "skipped": True, **_prefixed("train", metrics)}
+                self._record(s, _by(row, trained_by), groups)
+                return result
+            return await self._checkpoint(s, model, attempt, metrics, groups, idempotency_key, trained_by)
+        except BaseException:
+            s.store.fail_attempt(attempt)  # a no-op once the step committed
+            raise
 
     async def train_sft(
         self,
@@ -389,17 +442,21 @@ class LocalBackend:
         *,
         idempotency_key: str | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        trained_by: str | None = None,
     ) -> TrainResult:
         """Supervised fine-tuning on `trajectories` (`sft.py`): one step of the run, like `train`.
 
-        Written to `trajectories/sft/<step>.jsonl` (one group per line) before the update; the
-        adapter goes to `checkpoints/<step+1>/` (with the GRPO optimizer's state untouched), the
-        history gets one `sft/...` row, and the endpoint serves the new step when this returns.
-        Idempotency keys work as for `train`. `on_progress(done, total)` reports optimizer steps.
+        Written to `trajectories/sft/<step>.attempt-<id>.jsonl` (one group per line) before the
+        update and kept as `<step>.jsonl` when the step commits; the adapter goes to
+        `checkpoints/<step+1>/` (with the GRPO optimizer's state untouched), the history gets one
+        `sft/...` row (with `trained_by`, if given), and the endpoint serves the new step when this
+        returns. Idempotency keys and token-id checks work as for `train`. `on_progress(done, total)`
+        reports optimizer steps.
         """
         config = config or SFTConfig()
         s = self.service(model)
         items, flat = check_trajectories(trajectories)
+        _check_token_ids(items, _vocab_size(s), "trajectories")
         if idempotency_key is not None:
             check_name("idempotency_key", idempotency_key)
         from .sft import sft_rows
@@ -411,21 +468,25 @@ class LocalBackend:
             begun = self._begin(s, model, groups, "sft", idempotency_key)
             if isinstance(begun, TrainResult):
                 return begun
-            step = begun
-            s.trackers.config({"sft": config.model_dump(mode="json")})
-            await s.engine.sleep()
+            attempt, step = begun, begun.step
             try:
-                metrics = await s.engine.call(s.sft_trainer().train, rows, config, on_progress)
+                s.trackers.config({"sft": config.model_dump(mode="json")})
+                await s.engine.sleep()
+                try:
+                    metrics = await s.engine.call(s.sft_trainer().train, rows, config, on_progress)
+                except BaseException:
+                    # earlier optimizer steps of the call changed the adapter: back to the last checkpoint
+                    await s.engine.call(s.restore, step)
+                    raise
+                finally:
+                    await s.engine.wake()
+                if s.ranks is not None:  # SFT runs on rank 0; the other ranks take its weights
+                    await s.engine.call(s.ranks.sync)
+                metrics = {**data_metrics, **metrics}
+                return await self._checkpoint(s, model, attempt, metrics, groups, idempotency_key, trained_by)
             except BaseException:
-                # earlier optimizer steps of the call changed the adapter: back to the last checkpoint
-                await s.engine.call(s.restore, step)
+                s.store.fail_attempt(attempt)  # a no-op once the step committed
                 raise
-            finally:
-                await s.engine.wake()
-            if s.ranks is not None:  # SFT runs on rank 0; the other ranks take its weights
-                await s.engine.call(s.ranks.sync)
-            metrics = {**data_metrics, **metrics}
-            return await self._checkpoint(s, model, step, "sft", metrics, groups, idempotency_key)
 
     def _begin(
         self,
@@ -434,35 +495,35 @@ class LocalBackend:
         groups: list[TrajectoryGroup],
         split: str,
         key: str | None,
-    ) -> int | TrainResult:
-        """The step a new update starts from, its groups written and announced; or the result of
-        the completed call with idempotency key `key`."""
+    ) -> Attempt | TrainResult:
+        """The attempt of a new update (its step, its groups written and announced); or the result
+        of the committed call with idempotency key `key`."""
         if key is not None and (done := s.store.request_result(key)) is not None:
-            return TrainResult.model_validate(done)
+            return _result_of(done)
         step = s.store.latest_step()
         if s.engine.step != step:
             raise InvalidFieldError(
                 "step", s.engine.step, f"an older checkpoint is served: serve_step({step}) before training"
             )
-        if key is None or s.store.mark_written(key):
-            s.store.write_groups(groups, split, step)
+        attempt = s.store.begin_attempt(groups, split, step, key)
         emit(
             groups,
             GroupContext(project=model.project, model=model.name, step=step, split=split, source="train"),
         )
-        return step
+        return attempt
 
     async def _checkpoint(
         self,
         s: _Service,
         model: ModelConfig,
-        step: int,
-        split: str,
+        attempt: Attempt,
         metrics: dict[str, float],
         groups: list[TrajectoryGroup],
         key: str | None,
+        trained_by: str | None,
     ) -> TrainResult:
         """Commit the updated adapter as step + 1, serve it, and record the step's history row."""
+        step, split = attempt.step, attempt.split
         new_step = step + 1
         try:
             ckpt = await s.engine.call(s.store.write_checkpoint, new_step, s.save)
@@ -475,21 +536,24 @@ class LocalBackend:
         await s.engine.load_adapter(ckpt, new_step)
         metrics["adapter_load_seconds"] = time.perf_counter() - t0
         result = TrainResult(step=new_step, metrics=metrics)
-        self._commit(s, model, new_step, key, result)
-        self._record(s, {"step": step, "split": split, **_prefixed(split, metrics)}, groups)
+        self._commit(s, model, new_step, attempt, key, result)
+        self._record(s, _by({"step": step, "split": split, **_prefixed(split, metrics)}, trained_by), groups)
         return result
 
     @staticmethod
-    def _commit(s: _Service, model: ModelConfig, step: int, key: str | None, result: TrainResult) -> None:
+    def _commit(
+        s: _Service, model: ModelConfig, step: int, attempt: Attempt, key: str | None, result: TrainResult
+    ) -> None:
+        """state.json names `step`: the attempt's groups become `<step>.jsonl`, `key` answers `result`."""
         request = (key, result.model_dump()) if key is not None else None
-        s.store.write_state(step, request=request, base_model=model.base_model)
+        s.store.write_state(step, request=request, attempt=attempt, base_model=model.base_model)
 
     @staticmethod
     def _record(s: _Service, row: dict[str, Any], groups: Sequence[TrajectoryGroup] = ()) -> None:
-        """One history row, to history.jsonl and then to the trackers (the same row, to the key)."""
-        row = {"recorded_at": time.time(), **row}
-        s.store.append_history(row)
-        s.trackers.log(row, groups)
+        """One history row, to history.jsonl and then to the trackers (the same row, to the key:
+        strict JSON, a NaN metric as None)."""
+        written = s.store.append_history({"recorded_at": time.time(), **row})
+        s.trackers.log(written, groups)
 
     async def log(
         self,
@@ -498,14 +562,23 @@ class LocalBackend:
         split: str = "val",
         metrics: Mapping[str, float] | None = None,
     ) -> dict[str, float]:
-        """Record groups (e.g. an evaluation) and/or extra metrics without training: one history row."""
+        """Record groups (e.g. an evaluation) and/or extra metrics without training: one history row.
+
+        Groups go to `trajectories/<split>/<step>.jsonl` at once; a training split's files hold only
+        what trained, so `split="train"` (or "sft") takes metrics only."""
         s = self.service(model)
         if groups is None and not metrics:
             raise InvalidFieldError("groups", None, "log needs groups, metrics, or both")
         step = s.engine.step
         out: dict[str, float] = {}
         if groups is not None:
+            check_name("split", split)
+            if split in TRAINING_SPLITS:
+                raise InvalidFieldError(
+                    "split", split, "holds the groups that trained; log evaluated groups under another split"
+                )
             groups = _check_groups(groups)
+            _check_token_ids(groups, _vocab_size(s), "groups")
             s.store.write_groups(groups, split, step)
             emit(
                 groups,

@@ -272,6 +272,7 @@ def create_app(
                 req.config,
                 idempotency_key=req.idempotency_key,
                 on_progress=progress,
+                trained_by=_token_name(request),
             ),
         )
 
@@ -287,6 +288,7 @@ def create_app(
                 req.config,
                 idempotency_key=req.idempotency_key,
                 on_progress=progress,
+                trained_by=_token_name(request),
             ),
         )
 

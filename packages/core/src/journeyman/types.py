@@ -8,10 +8,10 @@ import math
 import traceback
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from openai.types.chat.chat_completion import Choice
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .errors import EmptyGroupError, InvalidFieldError, OwnErrorsModel, RolloutDroppedError
 from .messages import Message, message_of_choice
@@ -20,18 +20,37 @@ MessageOrChoice = Message | Choice
 Tool = dict[str, Any]
 
 
-class TokenRecord(BaseModel):
-    """What the engine saw and sampled for one choice: the ground truth the trainer uses."""
+TokenId = Annotated[int, Field(ge=0)]
+Logprob = Annotated[float, Field(allow_inf_nan=False)]
 
-    prompt_token_ids: list[int]
-    token_ids: list[int] = Field(description="sampled completion ids, in order")
-    logprobs: list[float] = Field(description="log π(token) under the sampling policy, temperature 1")
+
+class TokenRecord(BaseModel):
+    """What the engine saw and sampled for one choice: the ground truth the trainer uses.
+
+    Checked when parsed, since a record can arrive from outside (a remote client, a file): ids are
+    non-negative, logprobs finite, one logprob per sampled id. That the ids are in the vocabulary
+    only the model knows: `LocalBackend` checks it before it writes or trains anything.
+    """
+
+    prompt_token_ids: list[TokenId]
+    token_ids: list[TokenId] = Field(description="sampled completion ids, in order")
+    logprobs: list[Logprob] = Field(
+        description="log π(token) under the sampling policy, temperature 1; one per `token_ids` entry"
+    )
     model: str
-    step: int = Field(description="training step of the policy that sampled these tokens")
+    step: int = Field(ge=0, description="training step of the policy that sampled these tokens")
     finish_reason: Literal["stop", "length", "tool_calls"]
     spliced_turns: int = Field(
-        default=0, description="earlier assistant turns given to the engine as their sampled ids"
+        default=0, ge=0, description="earlier assistant turns given to the engine as their sampled ids"
     )
+
+    @field_validator("logprobs")
+    @classmethod
+    def _one_per_token(cls, v: list[float], info: ValidationInfo) -> list[float]:
+        ids = info.data.get("token_ids")  # absent when the ids themselves were refused
+        if ids is not None and len(v) != len(ids):
+            raise ValueError(f"has {len(v)} entries for {len(ids)} token_ids: one logprob per sampled id")
+        return v
 
 
 def record_of(choice: Choice) -> TokenRecord | None:
@@ -43,18 +62,34 @@ def record_of(choice: Choice) -> TokenRecord | None:
     return raw if isinstance(raw, TokenRecord) else TokenRecord.model_validate(raw)
 
 
-def _as_choice_or_message(item: Any) -> MessageOrChoice:
+def _checked_record(choice: Choice, where: str) -> Choice:
+    """`choice`, once its token record (if any) validates; else InvalidFieldError naming the field
+    inside the record, e.g. `messages_and_choices[3].journeyman.token_ids[5]`."""
+    raw = (choice.model_extra or {}).get("journeyman")
+    if raw is None or isinstance(raw, TokenRecord):
+        return choice
+    try:
+        TokenRecord.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"])
+        why = (err.get("ctx") or {}).get("error") if err["type"] == "value_error" else None
+        raise InvalidFieldError(
+            f"{where}.journeyman{loc}", err.get("input"), str(why or err["msg"])
+        ) from None
+    return choice
+
+
+def _as_choice_or_message(item: Any, where: str = "messages_and_choices[]") -> MessageOrChoice:
     if isinstance(item, Choice):
-        return item
+        return _checked_record(item, where)
     if isinstance(item, BaseModel):  # e.g. a ChatCompletionMessage: store as a plain message
         item = item.model_dump(exclude_none=True)
     if isinstance(item, dict) and "finish_reason" in item and "message" in item:
-        return Choice.model_validate(item)
+        return _checked_record(Choice.model_validate(item), where)
     if isinstance(item, dict) and "role" in item:
         return item
-    raise InvalidFieldError(
-        "messages_and_choices[]", item, "expected a chat message dict or a completion Choice"
-    )
+    raise InvalidFieldError(where, item, "expected a chat message dict or a completion Choice")
 
 
 class RolloutException(BaseModel):
@@ -84,7 +119,7 @@ class History(OwnErrorsModel):
     def _coerce(cls, v: Any) -> list[MessageOrChoice]:
         if not isinstance(v, list | tuple):
             raise InvalidFieldError("messages_and_choices", v, "must be a list of messages and choices")
-        return [_as_choice_or_message(x) for x in v]
+        return [_as_choice_or_message(x, f"messages_and_choices[{i}]") for i, x in enumerate(v)]
 
     def messages(self) -> list[Message]:
         """Plain OpenAI messages (choices turned into their assistant message)."""
@@ -116,6 +151,14 @@ class Trajectory(History):
         description="set when the run raised (turn limit, guardrail, ...): the trajectory holds the "
         "calls made before it and trains like any other; see `journeyman.failures`",
     )
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _null_is_nan(cls, v: Any) -> Any:
+        # run files and wire bodies are strict JSON, where a NaN metric is written as null
+        if isinstance(v, dict):
+            return {k: math.nan if x is None else x for k, x in v.items()}
+        return v
 
     @field_validator("reward")
     @classmethod
