@@ -12,22 +12,84 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+# Bounds a request keeps to before it is queued. Unbounded, a hostile value failed every request
+# batched with it: max_tokens=10**12 sized a KV cache nobody can allocate.
+MAX_TOKENS = 2**20  # an engine also refuses what does not fit its model's context after the prompt
+MAX_STOP = 16  # OpenAI takes 4, vLLM any number; each is searched for after every sampled token
+MAX_STOP_CHARS = 256
+MAX_SCHEMA_CHARS = 2**20
+MAX_LITERAL_CHARS = 1024
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed integer, as vLLM takes it
+
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class SamplingParams(BaseModel):
-    n: int = Field(default=1, ge=1, le=128)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(default=256, ge=1)
-    stop: list[str] = Field(default_factory=list)
-    seed: int | None = None
-    top_logprobs: int = Field(default=0, ge=0, le=20)
-    json_schema: str | None = Field(default=None, description="constrain the output to this JSON schema")
-    json_prefix: str = Field(default="", description="literal text the constrained output starts with")
-    json_suffix: str = Field(default="", description="literal text the constrained output ends with")
+    """How to sample one prompt. Every field is bounded, so a bad value is refused when the params
+    are built (a pydantic ValidationError naming it; the endpoint answers 400) instead of failing
+    the batch it would join."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(default=1, ge=1, le=128, description="completions sampled for the prompt")
+    temperature: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=2.0,
+        allow_inf_nan=False,
+        description="softmax temperature; 0 samples greedily (logprobs stay those of temperature 1)",
+    )
+    top_p: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="nucleus sampling: the smallest set of tokens whose probability reaches top_p",
+    )
+    max_tokens: int = Field(
+        default=256,
+        ge=1,
+        le=MAX_TOKENS,
+        description="tokens sampled at most per completion (the KV cache is sized by it); an engine "
+        "also refuses more than its model's context leaves after the prompt",
+    )
+    stop: list[StopString] = Field(
+        default_factory=list,
+        max_length=MAX_STOP,
+        description=f"up to {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters; "
+        "a completion ends before the first of them it produces",
+    )
+    seed: int | None = Field(
+        default=None,
+        ge=SEED_MIN,
+        le=SEED_MAX,
+        description="a 64-bit signed integer: the same seed gives the same samples whatever they are "
+        "batched with; None: unseeded",
+    )
+    top_logprobs: int = Field(
+        default=0, ge=0, le=20, description="most likely alternatives recorded per sampled token"
+    )
+    json_schema: str | None = Field(
+        default=None,
+        max_length=MAX_SCHEMA_CHARS,
+        description="constrain the output to this JSON schema",
+    )
+    json_prefix: str = Field(
+        default="",
+        max_length=MAX_LITERAL_CHARS,
+        description="literal text the constrained output starts with",
+    )
+    json_suffix: str = Field(
+        default="",
+        max_length=MAX_LITERAL_CHARS,
+        description="literal text the constrained output ends with",
+    )
+    # Unbounded on purpose: only hashed to pick a replica, and the endpoint builds it from the
+    # conversation's start (a long system prompt included), which its body limit already bounds.
     affinity: str | None = Field(
         default=None, description="requests with the same key go to the same engine replica (a group)"
     )

@@ -108,6 +108,7 @@ class VLLMEngine(Engine):
         if client is None:
             client = httpx.AsyncClient(
                 base_url=self.server.base_url,
+                headers=self.server.headers,
                 timeout=httpx.Timeout(self.config.request_timeout_s, connect=10.0),
                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
             )
@@ -283,7 +284,7 @@ class VLLMEngine(Engine):
         t0 = time.perf_counter()
         # A fresh client: this runs on whatever loop the trainer uses, possibly a short-lived one.
         async with httpx.AsyncClient(
-            base_url=self.server.base_url, timeout=self.config.request_timeout_s
+            base_url=self.server.base_url, headers=self.server.headers, timeout=self.config.request_timeout_s
         ) as c:
             body = {"lora_name": name, "lora_path": str(path), "load_inplace": name in self._adapters}
             resp = await c.post("/v1/load_lora_adapter", json=body)
@@ -314,7 +315,7 @@ class VLLMEngine(Engine):
                 self._warned_sleep = True
             return
         async with httpx.AsyncClient(
-            base_url=self.server.base_url, timeout=self.config.request_timeout_s
+            base_url=self.server.base_url, headers=self.server.headers, timeout=self.config.request_timeout_s
         ) as c:
             # mode=wait: requests in flight finish before the engine sleeps, instead of being aborted.
             resp = await c.post("/sleep", params={"level": 1, "mode": "wait"})
@@ -329,7 +330,7 @@ class VLLMEngine(Engine):
             self._awake.set()
             return
         async with httpx.AsyncClient(
-            base_url=self.server.base_url, timeout=self.config.request_timeout_s
+            base_url=self.server.base_url, headers=self.server.headers, timeout=self.config.request_timeout_s
         ) as c:
             resp = await c.post("/wake_up")
             if resp.status_code != 200:

@@ -5,6 +5,13 @@ that runs it is configurable (`VLLMConfig.python`). The child never outlives thi
 started from a supervisor thread that lives as long as the child, with PR_SET_PDEATHSIG on Linux (the
 kernel sends SIGTERM when that thread's process dies, even on SIGKILL), in its own process group (so
 `close` also reaches vLLM's engine-core subprocesses), and an `atexit` hook stops it on a normal exit.
+
+Any local user can reach 127.0.0.1, so the server requires a random API key (`VLLMServer.api_key`),
+which every call the engine makes sends as a bearer token. It is handed over in the environment
+(`VLLM_API_KEY`, what `--api-key` sets), not on the command line, which every local user can read.
+What vLLM guards with it depends on its version: up to the releases that check only `/v1` paths,
+`/v1/completions` and `/v1/load_lora_adapter` are guarded, `/sleep`, `/wake_up` and the other
+dev-mode routes are not; later ones guard every route but `/health`, `/ping`, `/metrics` and the docs.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import ctypes
 import importlib.util
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -192,6 +200,8 @@ class VLLMServer:
         self.cuda = cuda_available()
         self.sleep_mode = self.cuda if config.sleep_mode is None else config.sleep_mode
         self.port = 0
+        # the bearer token the server requires; `--api-key` among `extra_args` wins, as in vLLM
+        self.api_key = _flag(config.extra_args, "--api-key") or secrets.token_urlsafe(32)
         self.log_path = Path(config.log_file) if config.log_file else self._temp_log()
         self.startup_seconds = 0.0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -203,6 +213,11 @@ class VLLMServer:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request to the server carries: its API key."""
+        return {"Authorization": f"Bearer {self.api_key}"}
 
     @property
     def pid(self) -> int | None:
@@ -274,6 +289,7 @@ class VLLMServer:
         if self.sleep_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep and /wake_up
         env.update(self.config.env)
+        env["VLLM_API_KEY"] = self.api_key  # in the environment: a command line is world-readable
         return env
 
     def start(self) -> None:
@@ -344,7 +360,7 @@ class VLLMServer:
 
     def _wait_healthy(self, deadline: float) -> None:
         assert self._proc is not None
-        with httpx.Client(timeout=5.0) as client:
+        with httpx.Client(timeout=5.0, headers=self.headers) as client:
             while True:
                 code = self._proc.poll()
                 if code is not None:
@@ -403,6 +419,16 @@ class VLLMServer:
         fd, name = tempfile.mkstemp(prefix="journeyman-vllm-", suffix=".log")
         os.close(fd)
         return Path(name)
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """The value given to `name` in `args` (`--name value` or `--name=value`), else None."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg[len(name) + 1 :]
+    return None
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
