@@ -165,10 +165,10 @@ async def test_bad_requests_name_the_field(served) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         await client.chat.completions.create(model=model.name, messages=[{"role": "robot", "content": "x"}])
     assert e.value.body["param"] == "messages[0].role"
-    async with httpx.AsyncClient() as http:
-        r = await http.post(model.inference_base_url + "/chat/completions", content=b"{not json")
+    async with _http(model) as http:  # the endpoint's door wants its token
+        r = await http.post("/chat/completions", content=b"{not json")
         assert r.status_code == 400
-        r = await http.post(model.inference_base_url + "/chat/completions", json={"model": model.name})
+        r = await http.post("/chat/completions", json={"model": model.name})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     # past the context (8192 tokens): a 400 naming the lengths, at once, before the engine
     with pytest.raises(openai.BadRequestError) as e:
@@ -547,3 +547,119 @@ async def test_a_shared_prompt_prefix_is_prefilled_once_and_stays_exact(served) 
     computes = engine.prefix_computes
     await ask("Quito")
     assert engine.prefix_computes == computes + 1
+
+
+def _http(model) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=model.inference_base_url,
+        timeout=120,
+        headers={"authorization": f"Bearer {model.inference_api_key}"},
+    )
+
+
+async def test_a_bad_sampling_value_fails_its_own_request_not_the_good_ones_beside_it(served) -> None:
+    """A request whose sampling value the engine cannot take (a seed past 64 bits, too many stop
+    strings) is refused by name before it is queued; good requests sent at the same time are all
+    answered, not failed with the batch it would have joined."""
+    model, _ = served
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    good = {"model": model.name, "messages": msgs, "max_tokens": 4}
+    async with _http(model) as http:
+        for bad, field in [({"seed": 2**64}, "seed"), ({"stop": ["x"] * 100}, "stop")]:
+            replies = await asyncio.gather(
+                *[http.post("/chat/completions", json={**good, "seed": i}) for i in range(4)],
+                http.post("/chat/completions", json={**good, **bad}),
+            )
+            *oks, refused = replies
+            assert [r.status_code for r in oks] == [200] * 4, [r.text[:200] for r in oks]
+            assert all(r.json()["choices"][0]["journeyman"]["token_ids"] for r in oks)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+
+
+async def test_a_huge_prompt_is_refused_quickly_while_another_request_is_answered(served) -> None:
+    """A 10 MB prompt (well under the body cap) is refused with a 400 naming `messages` in well
+    under the ~22 s tokenizing it took, and a request sent beside it is answered meanwhile: its
+    parsing, rendering and tokenizing happen off the event loop, the size is checked first."""
+    import time
+
+    model, _ = served
+    huge = {
+        "model": model.name,
+        "messages": [{"role": "user", "content": "word " * 2_000_000}],
+        "max_tokens": 2,
+    }
+    small = {"model": model.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with _http(model) as http:
+        t0 = time.perf_counter()
+        refused, answered = await asyncio.gather(
+            http.post("/chat/completions", json=huge), http.post("/chat/completions", json=small)
+        )
+        took = time.perf_counter() - t0
+    assert refused.status_code == 400, refused.text[:300]
+    error = refused.json()["error"]
+    assert error["param"] == "messages" and "8192-token context" in error["message"], error
+    assert answered.status_code == 200, answered.text[:300]
+    assert took < 10, took
+
+
+async def test_schemas_too_large_or_deep_to_compile_are_refused_by_field(served) -> None:
+    """A JSON schema the grammar compiler would take minutes over (too many bytes, too deep) is
+    refused before compiling, naming the field it came from, on both routes."""
+    model, _ = served
+    deep: dict = {"type": "string"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}}
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [
+        (
+            "/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": deep}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/chat/completions",
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": wide}}],
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            "/responses",
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": wide}}},
+            "text.format.schema",
+        ),
+        (
+            "/responses",
+            {"tools": [{"type": "function", "name": "f", "parameters": deep}]},
+            "tools[0].parameters",
+        ),
+    ]
+    async with _http(model) as http:
+        for path, extra, field in cases:
+            base = {"messages": msgs, "max_tokens": 2} if path == "/chat/completions" else {"input": "hi"}
+            r = await http.post(path, json={"model": model.name, **base, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (path, field, r.text[:300])
+            assert "grammar compiler" in r.json()["error"]["message"]
+
+
+def test_a_schema_that_compiles_too_long_is_refused_by_name_and_not_compiled_again(chat_format) -> None:
+    """A compile past `compile_timeout_s` answers InvalidFieldError naming the schema field (a 400);
+    the same schema is then refused at once, while other schemas still compile."""
+    import time
+
+    from journeyman.engine.grammar import SCHEMA_FIELD, GrammarCache
+
+    tok = chat_format.tokenizer
+    cache = GrammarCache(tok, len(tok), compile_timeout_s=0.1)
+    slow = ("", json.dumps({"type": "string", "minLength": 900, "maxLength": 1000}), "")  # ~1.5 s on 2 cores
+    with pytest.raises(jm.InvalidFieldError, match="to compile") as e:
+        cache.compile(slow)
+    assert e.value.field == SCHEMA_FIELD
+    t0 = time.perf_counter()
+    with pytest.raises(jm.InvalidFieldError, match="to compile"):
+        cache.compile(slow)
+    assert time.perf_counter() - t0 < 0.05  # remembered, not compiled again
+    cache.compile_timeout_s = 30.0
+    assert cache.compile(("", json.dumps({"type": "object"}), "")) is not None

@@ -19,11 +19,13 @@ the messages.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
 from typing import Any
 
@@ -46,6 +48,14 @@ _HERMES_TOOLS = (
     "function signatures within <tools></tools> XML tags:\n<tools>{tools}\n</tools>\n\nFor each function "
     "call, return a json object with function name and arguments within <tool_call></tool_call> XML "
     'tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+# What the renderer gives the template itself (besides special tokens and its own arguments): a
+# request's `chat_template_kwargs` may not replace them (`{"raise_exception": 1}` broke the template).
+_RENDERER_NAMES = frozenset(
+    {"messages", "conversations", "raise_exception", "strftime_now", "namespace", "dict"}
+    | {"range", "lipsum", "cycler", "joiner"}  # jinja's own globals
 )
 
 
@@ -225,6 +235,41 @@ class ChatFormat:
 
     # -- rendering ---------------------------------------------------------------------------------
 
+    @cached_property
+    def _renderer_names(self) -> frozenset[str]:
+        own = inspect.signature(self.tokenizer.apply_chat_template).parameters
+        specials = getattr(self.tokenizer, "special_tokens_map", {}) or {}
+        return _RENDERER_NAMES | {n for n, p in own.items() if p.kind is not p.VAR_KEYWORD} | set(specials)
+
+    @cached_property
+    def _template_variables(self) -> frozenset[str] | None:
+        """The names the template reads from its context; None when jinja cannot parse it here (a
+        template with transformers' own tags)."""
+        import jinja2
+        import jinja2.meta
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+        try:
+            return frozenset(jinja2.meta.find_undeclared_variables(env.parse(self.template)))
+        except jinja2.TemplateSyntaxError:
+            return None
+
+    def template_kwargs(
+        self, kwargs: Mapping[str, Any] | None, field: str = "chat_template_kwargs"
+    ) -> dict[str, Any]:
+        """The template variables a request sets (vLLM's `chat_template_kwargs`, e.g.
+        `{"enable_thinking": false}`): a name the renderer sets itself (its arguments, a special
+        token, a helper) is refused; a name the template never reads is dropped, as it changes nothing."""
+        out: dict[str, Any] = {}
+        for name, value in (kwargs or {}).items():
+            if name in self._renderer_names:
+                raise InvalidFieldError(f"{field}.{name}", value, "is set by the chat template's renderer")
+            variables = self._template_variables
+            if variables is None or name in variables:
+                out[name] = value
+        return out
+
     def render(
         self,
         messages: list[Message],
@@ -247,6 +292,12 @@ class ChatFormat:
         except Exception as e:
             if type(e).__name__ == "TemplateError":  # the template's raise_exception: a bad conversation
                 raise InvalidFieldError("messages", None, f"the chat template refused them: {e}") from e
+            if template_kwargs:  # a variable of the wrong type for the template (`date_string: 3`)
+                raise InvalidFieldError(
+                    "chat_template_kwargs",
+                    dict(template_kwargs),
+                    f"the chat template failed with them: {type(e).__name__}: {e}",
+                ) from e
             raise
 
     def encode(self, text: str) -> list[int]:

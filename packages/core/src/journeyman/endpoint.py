@@ -12,53 +12,89 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError
 
 from .backend import REQUEST_TIMEOUT_S
 from .capture import CapturedCall, Captures
 from .chat_families import ChatFamily
 from .chat_format import ChatFormat, SampledTurns
 from .engine import Engine, Sample, SamplingParams
+from .engine.base import MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS, SEED_MAX, SEED_MIN
+from .engine.grammar import SCHEMA_FIELD
 from .errors import EngineTimeoutError, InvalidFieldError, UnknownModelError
 from .messages import normalize_messages
-from .openai_http import chat_completion_body, handle_json
+from .openai_http import (
+    MAX_SCHEMA_BYTES,
+    NamedToolChoice,
+    ResponseFormat,
+    StreamOptions,
+    Tool,
+    ToolChoice,
+    ToolChoiceMode,
+    chat_completion_body,
+    handle_json,
+    invalid_field,
+)
 from .responses_api import add_routes as add_responses_routes
 from .types import TokenRecord
 
+T = TypeVar("T")
+
+
+CHARS_PER_TOKEN = 16
+"""Characters a prompt may hold per token of context: text averages ~4 a token, and anything past
+16 cannot fit, so it is refused before tokenizing (a 10 MB prompt took ~20 s to tokenize)."""
+_NO_CONTEXT_CHARS = CHARS_PER_TOKEN * 2**18  # the bound when the model's context is not known
+_MESSAGE_CHARS = 16  # what a message adds to the prompt besides its text: the template's markers
+
+StopStrings = Annotated[
+    list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]],
+    BeforeValidator(lambda v: [v] if isinstance(v, str) else v),  # OpenAI takes one string or a list
+    Field(max_length=MAX_STOP),
+]
+
 
 class ChatCompletionRequest(BaseModel):
-    """The request fields we honour. Others (user, store, metadata, parallel_tool_calls, a vendor's
-    extras) are accepted and ignored, as vLLM does, rather than refused as api.openai.com does:
-    agent frameworks send fields of their own, and a rollout must not fail on one."""
+    """The request fields we honour, each checked here (shape and range) before the request reaches
+    the template, the grammar or the engine. Others (user, store, metadata, parallel_tool_calls, a
+    vendor's extras) are accepted and ignored, as vLLM does, rather than refused as api.openai.com
+    does: agent frameworks send fields of their own, and a rollout must not fail on one."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str
-    messages: list[Any]
-    tools: list[dict[str, Any]] | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    messages: list[Any]  # checked by `normalize_messages`
+    tools: list[Tool] | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    stop: StopStrings | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    tool_choice: ToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's name: e.g. {"enable_thinking": false}
 
 
+class _Streaming(BaseModel):
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
 def _tool_call_schema(
-    tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, family: ChatFamily
+    tools: list[Tool] | None, choice: ToolChoiceMode | NamedToolChoice | None, family: ChatFamily
 ) -> str | None:
     """The JSON schema a forced tool call must match (in the family's call shape), or None when the
     model may answer freely.
@@ -68,78 +104,76 @@ def _tool_call_schema(
     """
     if choice is None or choice in ("auto", "none"):
         return None
+    shown = choice.model_dump() if isinstance(choice, BaseModel) else choice
     if not tools:
-        raise InvalidFieldError("tool_choice", choice, "needs `tools` in the same request")
-    names = [(t.get("function") or {}).get("name") for t in tools]
-    if isinstance(choice, dict):
-        wanted = (choice.get("function") or {}).get("name")
+        raise InvalidFieldError("tool_choice", shown, "needs `tools` in the same request")
+    names = [t.function.name for t in tools]
+    if isinstance(choice, NamedToolChoice):
+        wanted = choice.function.name
         if wanted not in names:
             raise InvalidFieldError("tool_choice.function.name", wanted, f"not one of the tools {names}")
-        picked = [t for t, n in zip(tools, names, strict=True) if n == wanted]
-    elif choice == "required":
-        picked = tools
+        picked = [t for t in tools if t.function.name == wanted]
     else:
-        raise InvalidFieldError("tool_choice", choice, "use auto, none, required or a named function")
-    options = [family.call_schema(t) for t in picked]
-    return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
+        picked = tools
+    options = [
+        family.call_schema({"function": {"name": t.function.name, "parameters": t.function.parameters}})
+        for t in picked
+    ]
+    schema = json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
+    if len(schema) > MAX_SCHEMA_BYTES:
+        raise InvalidFieldError(
+            "tool_choice",
+            shown,
+            f"forces a call whose schema (the tools' parameters) is {len(schema)} bytes of JSON: the grammar "
+            f"compiler takes at most {MAX_SCHEMA_BYTES}",
+        )
+    return schema
+
+
+def _constraint(req: ChatCompletionRequest, family: ChatFamily) -> tuple[str, str, str, str] | None:
+    """(schema, prefix, suffix, the request field it comes from) when the output is constrained."""
+    schema = _tool_call_schema(req.tools, req.tool_choice, family)
+    if req.response_format is not None and schema is not None:
+        raise InvalidFieldError(
+            "response_format",
+            req.response_format.model_dump(by_alias=True),
+            "cannot be combined with a forced tool_choice",
+        )
+    if schema is not None:
+        return schema, family.call_open, family.call_close, "tool_choice"
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.json_schema is not None and fmt.type == "json_schema":
+        return json.dumps(fmt.json_schema.schema_), "", "", SCHEMA_FIELD
+    return json.dumps({"type": "object"}), "", "", "response_format"
 
 
 def _sampling_params(
-    req: ChatCompletionRequest, default_max_tokens: int, family: ChatFamily
+    req: ChatCompletionRequest, default_max_tokens: int, constraint: tuple[str, str, str, str] | None
 ) -> SamplingParams:
-    checks = [
-        ("n", req.n, req.n >= 1 and req.n <= 128, "must be between 1 and 128"),
-        (
-            "temperature",
-            req.temperature,
-            req.temperature is None or 0 <= req.temperature <= 2,
-            "must be in [0, 2]",
-        ),
-        ("top_p", req.top_p, req.top_p is None or 0 < req.top_p <= 1, "must be in (0, 1]"),
-        (
-            "top_logprobs",
-            req.top_logprobs,
-            req.top_logprobs is None or 0 <= req.top_logprobs <= 20,
-            "must be in [0, 20]",
-        ),
-    ]
-    for name, value, ok, reason in checks:
-        if not ok:
-            raise InvalidFieldError(name, value, reason)
-    for name, value in (("max_tokens", req.max_tokens), ("max_completion_tokens", req.max_completion_tokens)):
-        if value is not None and value < 1:
-            raise InvalidFieldError(name, value, "must be >= 1")
-    max_tokens = _asked_tokens(req) or default_max_tokens
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    schema = _tool_call_schema(req.tools, req.tool_choice, family)
-    prefix, suffix = (family.call_open, family.call_close) if schema is not None else ("", "")
-    if req.response_format is not None and schema is not None:
-        raise InvalidFieldError(
-            "response_format", req.response_format, "cannot be combined with a forced tool_choice"
+    schema, prefix, suffix, source = constraint or (None, "", "", "")
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            max_tokens=_asked_tokens(req) or default_max_tokens,
+            stop=req.stop or [],
+            seed=req.seed,
+            top_logprobs=req.top_logprobs or 0,
+            json_schema=schema,
+            json_prefix=prefix,
+            json_suffix=suffix,
         )
-    if req.response_format is not None:
-        kind = req.response_format.get("type")
-        if kind == "json_schema":
-            spec = req.response_format.get("json_schema") or {}
-            if "schema" not in spec:
-                raise InvalidFieldError("response_format.json_schema.schema", None, "is required")
-            schema = json.dumps(spec["schema"])
-        elif kind == "json_object":
-            schema = json.dumps({"type": "object"})
-        elif kind != "text":
-            raise InvalidFieldError("response_format.type", kind, "use text, json_object or json_schema")
-    return SamplingParams(
-        n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        max_tokens=max_tokens,
-        stop=stop,
-        seed=req.seed,
-        top_logprobs=req.top_logprobs or 0,
-        json_schema=schema,
-        json_prefix=prefix,
-        json_suffix=suffix,
-    )
+    except ValidationError as e:  # the engine's own bounds: named by the request field they came from
+        err = invalid_field(e)
+        name = err.field.split(".")[0].split("[")[0]
+        asked = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        renamed = {"max_tokens": asked, "json_schema": source, "json_prefix": source, "json_suffix": source}
+        raise InvalidFieldError(
+            renamed.get(name, name) + err.field[len(name) :], err.value, err.reason
+        ) from None
 
 
 def _asked_tokens(req: ChatCompletionRequest) -> int | None:
@@ -153,8 +187,45 @@ def affinity_key(messages: list[dict[str, Any]]) -> str:
     return json.dumps(messages[: first + 1], sort_keys=True, default=str)
 
 
+def _characters(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any]
+) -> int:
+    """The text a prompt renders, counted before rendering: message text, tool calls, tools, variables."""
+    n = 0
+    for m in messages:
+        n += _MESSAGE_CHARS + len(m["content"]) + len(m.get("reasoning_content") or "")
+        for call in m.get("tool_calls", []):
+            fn = call["function"]
+            n += len(fn["name"]) + len(json.dumps(fn["arguments"], ensure_ascii=False))
+    for extra in (tools, template_kwargs):
+        if extra:
+            n += len(json.dumps(extra, ensure_ascii=False, default=str))
+    return n
+
+
+@dataclass
+class _Prepared:
+    """A request made ready for the engine."""
+
+    req: ChatCompletionRequest
+    params: SamplingParams
+    messages: list[dict[str, Any]]
+    tools: (
+        list[dict[str, Any]] | None
+    )  # as the client sent them: the template renders (and captures keep) these
+    prompt_ids: list[int]
+    spliced: int
+    schema_field: str  # the request field the output's JSON schema comes from ("" if none)
+
+
 class Endpoint:
-    """Serves one trainable model (its current step) through an engine."""
+    """Serves one trainable model (its current step) through an engine.
+
+    Rendering, tokenizing and parsing run on one worker thread of the endpoint's own, not on the event
+    loop every route shares, and one at a time: a fast tokenizer raises "Already borrowed" when two
+    threads use it at once, and the sampled-turn cache is read (splicing) and written (answering)
+    there, so a request always sees the turns answered before it.
+    """
 
     def __init__(
         self,
@@ -175,6 +246,7 @@ class Endpoint:
         self.sampled = SampledTurns()
         self.captures = Captures()
         self.completions = 0
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journeyman-prepare")
 
     def served_names(self) -> list[str]:
         return [self.model_name, f"{self.model_name}@{self.engine.step}"]
@@ -193,35 +265,58 @@ class Endpoint:
         self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
     ) -> dict[str, Any]:
         """Serve one chat completion; `response_id` names the Responses API call it answers, if any."""
-        req, params, messages, prompt_ids, spliced = self._prepare(body)
+        prepared = await self._serially(self._prepare, body)
         try:
-            samples = await asyncio.wait_for(self.engine.generate(prompt_ids, params), self.request_timeout_s)
+            samples = await asyncio.wait_for(
+                self.engine.generate(prepared.prompt_ids, prepared.params), self.request_timeout_s
+            )
         except TimeoutError:
             raise EngineTimeoutError(
                 f"no samples after {self.request_timeout_s:g} s (Endpoint.request_timeout_s): the engine is "
                 f"overloaded, stuck, or waiting on a long training step"
             ) from None
-        return self._respond(req, params, messages, prompt_ids, spliced, samples, capture_id, response_id)
+        except InvalidFieldError as e:  # the grammar's: named by the field the schema came from
+            if e.field == SCHEMA_FIELD and prepared.schema_field not in ("", SCHEMA_FIELD):
+                raise InvalidFieldError(prepared.schema_field, e.value, e.reason) from None
+            raise
+        return await self._serially(self._respond, prepared, samples, capture_id, response_id)
 
-    def _prepare(
-        self, body: dict[str, Any]
-    ) -> tuple[ChatCompletionRequest, SamplingParams, list[dict[str, Any]], list[int], int]:
+    async def _serially(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the endpoint's worker thread, after the calls queued before it."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    def _prepare(self, body: dict[str, Any]) -> _Prepared:
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(x) for x in err["loc"])
-            raise InvalidFieldError(field, err.get("input"), err["msg"]) from e
+            raise invalid_field(e) from None
         if req.model not in self.served_names():
             raise UnknownModelError(req.model, self.served_names())
-        params = _sampling_params(req, self.default_max_tokens, self.chat_format.family)
+        constraint = _constraint(req, self.chat_format.family)
+        params = _sampling_params(req, self.default_max_tokens, constraint)
         messages = normalize_messages(req.messages)
         params.affinity = affinity_key(messages)
+        # validated above as `req.tools`; rendered as sent, since their key order shows in the prompt
+        tools: list[dict[str, Any]] | None = body.get("tools") or None
+        template_kwargs = self.chat_format.template_kwargs(req.chat_template_kwargs)
+        self._fit_characters(_characters(messages, tools, template_kwargs))
         prompt_ids, spliced = self.chat_format.prompt_ids(
-            messages, req.tools, self.sampled, template_kwargs=req.chat_template_kwargs
+            messages, tools, self.sampled, template_kwargs=template_kwargs
         )
         self._fit_context(req, params, len(prompt_ids))
-        return req, params, messages, prompt_ids, spliced
+        schema_field = constraint[3] if constraint is not None else ""
+        return _Prepared(req, params, messages, tools, prompt_ids, spliced, schema_field)
+
+    def _fit_characters(self, chars: int) -> None:
+        """Refuse, before tokenizing, a prompt with more text than its context could hold."""
+        limit = CHARS_PER_TOKEN * self.max_context if self.max_context else _NO_CONTEXT_CHARS
+        if chars > limit:
+            fits = f"fit the {self.max_context}-token context" if self.max_context else "be tokenized"
+            raise InvalidFieldError(
+                "messages",
+                f"{chars} characters",
+                f"cannot {fits}: at most {limit} characters ({CHARS_PER_TOKEN} a token) are tokenized",
+            )
 
     def _fit_context(self, req: ChatCompletionRequest, params: SamplingParams, prompt: int) -> None:
         """Refuse, before the engine sees it, what cannot fit the context; a default max_tokens
@@ -248,15 +343,12 @@ class Endpoint:
 
     def _respond(
         self,
-        req: ChatCompletionRequest,
-        params: SamplingParams,
-        messages: list[dict[str, Any]],
-        prompt_ids: list[int],
-        spliced: int,
+        prepared: _Prepared,
         samples: list[Sample],
         capture_id: str | None,
         response_id: str | None = None,
     ) -> dict[str, Any]:
+        req, params, prompt_ids = prepared.req, prepared.params, prepared.prompt_ids
         self.completions += 1
         name = f"{self.model_name}@{self.engine.step}"
         choices = []
@@ -278,7 +370,7 @@ class Endpoint:
                 model=name,
                 step=self.engine.step,
                 finish_reason=finish,
-                spliced_turns=spliced,
+                spliced_turns=prepared.spliced,
             )
             self.sampled.add(content, calls, s.token_ids, reasoning)
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -302,7 +394,10 @@ class Endpoint:
             self.captures.add(
                 capture_id,
                 CapturedCall(
-                    request_messages=messages, tools=req.tools, response=response, response_id=response_id
+                    request_messages=prepared.messages,
+                    tools=prepared.tools,
+                    response=response,
+                    response_id=response_id,
                 ),
             )
         return response
@@ -390,10 +485,14 @@ def build_app(endpoint: Served) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         async def handle(body: dict[str, Any], capture_id: str | None) -> Any:
+            try:
+                flags = _Streaming.model_validate(body)
+            except ValidationError as e:
+                raise invalid_field(e) from None
             response = await endpoint.chat_completion(body, capture_id)
-            if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return StreamingResponse(_chunks(response, include_usage), media_type="text/event-stream")
+            if flags.stream:
+                usage = flags.stream_options is not None and bool(flags.stream_options.include_usage)
+                return StreamingResponse(_chunks(response, usage), media_type="text/event-stream")
             return response
 
         return await handle_json(request, handle)

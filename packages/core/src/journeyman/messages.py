@@ -23,6 +23,20 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 """The chat roles a conversation may hold (`developer` is rendered as `system`)."""
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
+MAX_ARGUMENTS_DEPTH = 64  # a template writes arguments back with a recursive `tojson`
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deep `value` nests (a scalar is 0, `[1]` is 1); counting stops past `limit`. Iterative:
+    JSON may nest as deep as its parser allows."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack and deepest <= limit:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, depth + 1)
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def text_of(content: Any, field: str = "content", *, strict: bool = True) -> str:
@@ -39,7 +53,10 @@ def text_of(content: Any, field: str = "content", *, strict: bool = True) -> str
         parts = []
         for j, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") in _TEXT_PARTS:
-                parts.append(str(part.get("text", "")))
+                text = part.get("text", "")
+                if strict and not isinstance(text, str):
+                    raise InvalidFieldError(f"{field}[{j}].text", text, "must be a string")
+                parts.append(str(text))
             elif strict:
                 raise InvalidFieldError(f"{field}[{j}]", part, "only text content parts are supported")
             elif isinstance(part, dict) and "text" in part:
@@ -50,15 +67,23 @@ def text_of(content: Any, field: str = "content", *, strict: bool = True) -> str
     return str(content)
 
 
-def _arguments(call: dict[str, Any], field: str) -> dict[str, Any]:
-    raw = args = call["function"].get("arguments", "{}")
+def tool_arguments(raw: Any, field: str) -> dict[str, Any]:
+    """A tool call's arguments (a JSON string, or already an object) as an object, refused by `field`
+    if they are not one, nest past MAX_ARGUMENTS_DEPTH, or spell a lone surrogate."""
+    args = raw
     if isinstance(args, str):
         try:
             args = json.loads(args or "{}")
         except (json.JSONDecodeError, RecursionError) as e:
-            raise InvalidFieldError(f"{field}.function.arguments", raw, f"not JSON: {e}") from e
+            raise InvalidFieldError(field, raw, f"not JSON: {e}") from e
     if not isinstance(args, dict):
-        raise InvalidFieldError(f"{field}.function.arguments", raw, "must be a JSON object")
+        raise InvalidFieldError(field, raw, "must be a JSON object")
+    if json_depth(args, MAX_ARGUMENTS_DEPTH) > MAX_ARGUMENTS_DEPTH:
+        raise InvalidFieldError(field, raw, f"nests more than {MAX_ARGUMENTS_DEPTH} levels deep")
+    try:  # a JSON string may spell a lone surrogate ("\\ud800"), which no tokenizer can encode
+        json.dumps(args, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise InvalidFieldError(field, raw, "holds a lone surrogate") from e
     return args
 
 
@@ -90,7 +115,9 @@ def normalize_messages(messages: Sequence[Any]) -> list[Message]:
                     raise InvalidFieldError(
                         f"messages[{i}].tool_calls[{j}].id", call.get("id"), "must be a string"
                     )
-                args = _arguments(call, f"messages[{i}].tool_calls[{j}]")
+                args = tool_arguments(
+                    fn.get("arguments", "{}"), f"messages[{i}].tool_calls[{j}].function.arguments"
+                )
                 calls.append(
                     {
                         "id": call.get("id"),
@@ -150,12 +177,15 @@ def message_key(m: Message) -> str:
 
 
 __all__ = [
+    "MAX_ARGUMENTS_DEPTH",
     "ROLES",
     "Message",
     "assistant_key",
+    "json_depth",
     "message_key",
     "message_of_choice",
     "normalize_messages",
     "openai_message",
     "text_of",
+    "tool_arguments",
 ]

@@ -3,6 +3,13 @@
 Output is compact JSON (`{"a": 1, "b": [2, 3]}`): xgrammar's default lets the model put any amount
 of whitespace between tokens, and a small model given that freedom pads with newlines and indents
 (more tokens, slower on a CPU) or never closes the object before `max_tokens`.
+
+A compile is timed out: xgrammar's time grows with a schema's size, nesting and repetition bounds
+(2,000 optional properties took 99 s on 2 cores, `maxLength: 100000` 4 s), and a request must not
+wait minutes for one. xgrammar cannot stop a compile, so one that runs past the limit finishes on
+its own thread (not a daemon: a process exiting waits for it rather than abort inside xgrammar);
+at most `max_compiles` run at once, and a schema refused for time is refused again at once, so
+such schemas cannot pile up.
 """
 
 from __future__ import annotations
@@ -10,13 +17,17 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any
-
-import torch
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidFieldError
 
+if TYPE_CHECKING:
+    import torch
+
 SCHEMA_FIELD = "response_format.json_schema.schema"
+COMPILE_TIMEOUT_S = 10.0
 
 
 def wrapped_grammar(prefix: str, schema: str, suffix: str) -> Any:
@@ -43,44 +54,112 @@ class GrammarCache:
     """Compiles each schema once (a bounded LRU); hands out one matcher per sampled row.
 
     `compile` may be called from any thread (the endpoint checks a schema before queueing it);
-    `matcher` and `mask` run on the engine's worker thread.
+    `matcher` and `mask` run on the engine's worker thread. Concurrent calls for one schema share
+    its compile.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, capacity: int = 64) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        capacity: int = 64,
+        compile_timeout_s: float = COMPILE_TIMEOUT_S,
+        max_compiles: int = 2,
+    ) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.capacity = capacity
+        self.compile_timeout_s = compile_timeout_s
         self._compiler = xgr.GrammarCompiler(
             xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         )
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._refused: OrderedDict[str, InvalidFieldError] = OrderedDict()  # unusable, or too slow
+        # compiles under way: their result, and whether they hold a slot yet
+        self._pending: dict[str, tuple[Future[Any], threading.Event]] = {}
+        self._slots = threading.Semaphore(max_compiles)
         self._lock = threading.Lock()
 
     def compile(self, constraint: tuple[str, str, str]) -> Any:
-        """The compiled grammar of (prefix, schema, suffix); an unusable schema raises InvalidFieldError."""
+        """The compiled grammar of (prefix, schema, suffix); an unusable schema, or one that does not
+        compile within `compile_timeout_s`, raises InvalidFieldError."""
         key = "\0".join(constraint)
-        prefix, schema, suffix = constraint
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
+            if key in self._refused:
+                raise self._refused[key]
+            pending = self._pending.get(key)
+            if pending is None:
+                pending = self._pending[key] = (Future(), threading.Event())
+                threading.Thread(
+                    target=self._compile,
+                    args=(key, constraint, *pending),
+                    daemon=False,
+                    name="journeyman-grammar",
+                ).start()
+        result, started = pending
         try:
-            json.loads(schema)
-            if prefix or suffix:
-                compiled = self._compiler.compile_grammar(wrapped_grammar(prefix, schema, suffix))
-            else:
-                compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
-        except (ValueError, RuntimeError) as e:
-            # xgrammar reports unsupported or malformed schemas as RuntimeError with a C++ location.
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise InvalidFieldError(SCHEMA_FIELD, schema, f"not a usable JSON schema: {reason}") from e
+            return result.result(timeout=self.compile_timeout_s)
+        except FutureTimeout:
+            pass
+        schema = constraint[1]
+        if not started.is_set():  # still waiting for a slot: other schemas hold the compiler
+            raise InvalidFieldError(
+                SCHEMA_FIELD,
+                schema,
+                f"waited {self.compile_timeout_s:g} s for the grammar compiler, busy with other schemas",
+            ) from None
+        error = InvalidFieldError(
+            SCHEMA_FIELD, schema, f"took more than {self.compile_timeout_s:g} s to compile into a grammar"
+        )
         with self._lock:
-            self._compiled[key] = compiled
-            while len(self._compiled) > self.capacity:
-                self._compiled.popitem(last=False)
-        return compiled
+            self._refuse(key, error)
+        raise error from None
+
+    def _compile(
+        self, key: str, constraint: tuple[str, str, str], result: Future[Any], started: threading.Event
+    ) -> None:
+        prefix, schema, suffix = constraint
+        with self._slots:
+            started.set()
+            try:
+                json.loads(schema)
+                if prefix or suffix:
+                    compiled = self._compiler.compile_grammar(wrapped_grammar(prefix, schema, suffix))
+                else:
+                    compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
+            except (ValueError, RuntimeError) as e:
+                # xgrammar reports unsupported or malformed schemas as RuntimeError with a C++ location.
+                reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                error = InvalidFieldError(SCHEMA_FIELD, schema, f"not a usable JSON schema: {reason}")
+                with self._lock:
+                    self._pending.pop(key, None)
+                    self._refuse(key, error)
+                result.set_exception(error)
+                return
+            except (
+                BaseException
+            ) as e:  # a bug of ours or xgrammar's: the callers see it, the key is free again
+                with self._lock:
+                    self._pending.pop(key, None)
+                result.set_exception(e)
+                return
+        with self._lock:
+            self._pending.pop(key, None)
+            if key not in self._refused:  # one refused for time stays refused: answers do not race the clock
+                self._compiled[key] = compiled
+                while len(self._compiled) > self.capacity:
+                    self._compiled.popitem(last=False)
+        result.set_result(compiled)
+
+    def _refuse(self, key: str, error: InvalidFieldError) -> None:
+        self._refused[key] = error
+        while len(self._refused) > self.capacity:
+            self._refused.popitem(last=False)
 
     def matcher(self, constraint: tuple[str, str, str]) -> Any:
         return self._xgr.GrammarMatcher(self.compile(constraint))
