@@ -224,10 +224,12 @@ async def test_a_trained_adapter_the_judge_prefers_wins_and_the_base_ties_with_i
 
 
 async def test_against_names_any_openai_compatible_server_and_checks_its_fields(
-    served: tuple[object, object],
+    served: tuple[object, object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shared, backend = served
     url = backend.inference(shared.name).base_url  # type: ignore[attr-defined]
+    # a URL's key comes from $OPENAI_API_KEY; the backend's own endpoint demands its key
+    monkeypatch.setenv("OPENAI_API_KEY", backend.inference(shared.name).api_key)  # type: ignore[attr-defined]
     player = await resolve_against(url, shared.name)  # type: ignore[attr-defined]
     assert player.model == shared.name and player.label == f"{url}#{shared.name}"  # type: ignore[attr-defined]
     reply = await player.client.chat.completions.create(
