@@ -10,7 +10,7 @@ from pathlib import Path
 
 import journeyman as jm
 import torch
-from journeyman import tasks
+from journeyman.app import tasks
 from journeyman.engine import vllm_env
 from journeyman.engine.vllm_engine import VLLMEngine
 from journeyman.engine.vllm_server import VLLMConfig

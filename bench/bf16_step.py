@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from journeyman.adapter import LoraPolicy
-from journeyman.weights import DEFAULT_BASE_MODEL, resolve_base_model
+from journeyman.policy.lora import LoraPolicy
+from journeyman.policy.weights import DEFAULT_BASE_MODEL, resolve_base_model
 
 PRECISIONS = ("fp32", "autocast", "bf16-base")
 

@@ -54,7 +54,7 @@ from typing import Any
 import httpx
 import journeyman as jm
 from _task import cpu_seconds, group_pids, vllm_model  # bench/ is on sys.path when a bench runs
-from journeyman.capture import capture_scope
+from journeyman.rollout.capture import capture_scope
 from openai import AsyncOpenAI
 
 SYSTEM = "You are a knowledgeable writer. Answer at length, in full paragraphs."

@@ -14,7 +14,7 @@ import tempfile
 import time
 
 import journeyman as jm
-from journeyman import tasks
+from journeyman.app import tasks
 from openai import AsyncOpenAI
 
 

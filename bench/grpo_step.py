@@ -19,8 +19,8 @@ from pathlib import Path
 
 import journeyman as jm
 import torch
-from journeyman import tasks
-from journeyman.weights import DEFAULT_BASE_MODEL, resolve_base_model
+from journeyman.app import tasks
+from journeyman.policy.weights import DEFAULT_BASE_MODEL, resolve_base_model
 
 PROMPTS, GROUP, MAX_TOKENS, LR = 8, 4, 40, 2e-4
 

@@ -22,8 +22,8 @@ import time
 
 import journeyman as jm
 from _task import rollout_step  # bench/ is on sys.path when a bench runs
-from journeyman import tasks
-from journeyman.server import ServerProcess
+from journeyman.app import tasks
+from journeyman.backends.server import ServerProcess
 
 
 async def measure(

@@ -20,7 +20,7 @@ import time
 
 import journeyman as jm
 from _task import rollout_step  # bench/ is on sys.path when a bench runs
-from journeyman import tasks
+from journeyman.app import tasks
 
 
 async def measure(world_size: int, replicas: int, args: argparse.Namespace) -> tuple[float, float]:

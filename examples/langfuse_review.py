@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 import journeyman as jm
-from journeyman import tasks
+from journeyman.app import tasks
 from journeyman.integrations.langfuse import TRACE_ID_KEY, export_to_langfuse, fetch_review_set
 
 

@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 
 import journeyman as jm
-from journeyman.ruler import RulerConfig
+from journeyman.rewards.ruler import RulerConfig
 from openai import AsyncOpenAI
 
 RUBRIC = """\

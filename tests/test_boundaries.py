@@ -309,7 +309,7 @@ def describe_cycle(graph: dict[str, dict[str, Import]], cycle: list[str]) -> str
 
 def test_core_has_no_import_cycle() -> None:
     graph = core_graph()
-    assert "journeyman.types" in graph["journeyman"], "the graph lost core's own imports"
+    assert "journeyman.data.types" in graph["journeyman"], "the graph lost core's own imports"
     reports: list[str] = []
     for component in strongly_connected(graph):
         seen: set[frozenset[str]] = set()

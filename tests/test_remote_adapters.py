@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import journeyman as jm
 import pytest
-from journeyman.server import ServerProcess
+from journeyman.backends.server import ServerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[jm.Remote
 @pytest.fixture(scope="module")
 def base() -> tuple[Any, Any]:
     """The base model and tokenizer, loaded here: what the server samples from at step 0."""
-    from journeyman.weights import resolve_base_model
+    from journeyman.policy.weights import resolve_base_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path: Path = resolve_base_model(jm.DEFAULT_BASE_MODEL)

@@ -26,7 +26,7 @@ from agents import (
 from agents.items import ToolCallItem
 from agents.tracing import Span, Trace, TracingProcessor, add_trace_processor
 from journeyman import History, TokenRecord, Trajectory
-from journeyman.responses_api import chat_messages
+from journeyman.serving.responses_api import chat_messages
 from journeyman_agents import TrainableRunner
 from journeyman_agents._tracing import _key_from_output
 

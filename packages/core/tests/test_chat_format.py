@@ -6,10 +6,10 @@ import json
 import time
 
 import pytest
-from journeyman.capture import CapturedCall, Captures
-from journeyman.chat_format import SampledTurns
+from journeyman.chat.formats import SampledTurns
+from journeyman.chat.messages import normalize_messages
 from journeyman.errors import InvalidFieldError
-from journeyman.messages import normalize_messages
+from journeyman.rollout.capture import CapturedCall, Captures
 
 TOOLS = [
     {

@@ -10,8 +10,8 @@ from pathlib import Path
 import journeyman as jm
 import pytest
 import torch
-from journeyman import tasks
-from journeyman.collective import balanced_share
+from journeyman.app import tasks
+from journeyman.training.collective import balanced_share
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,9 @@ def test_replica_and_rank_counts_are_checked_by_name(tmp_path: Path) -> None:
         jm.LocalBackend(path=tmp_path, engine_replicas=0)
     with pytest.raises(jm.InvalidFieldError, match=r"engine_replicas=2: .*data_parallel_size"):
         jm.LocalBackend(path=tmp_path, engine="vllm", engine_replicas=2)
-    with pytest.raises(jm.InvalidFieldError, match=r"trainer.rank=1: .*python -m journeyman.distributed"):
+    with pytest.raises(
+        jm.InvalidFieldError, match=r"trainer.rank=1: .*python -m journeyman.training.distributed"
+    ):
         jm.LocalBackend(path=tmp_path, trainer=jm.TrainerConfig(world_size=2, rank=1))
 
 
@@ -112,9 +114,9 @@ async def test_two_replica_processes_serve_64_requests_survive_a_kill_and_rejoin
     import signal
 
     import openai
-    from journeyman.endpoint import affinity_key
     from journeyman.engine.replicas import ReplicatedEngine
     from journeyman.engine.torch_process import TorchProcessEngine
+    from journeyman.serving.endpoint import affinity_key
 
     backend = jm.LocalBackend(path=tmp_path, engine_replicas=2)
     model = jm.TrainableModel(name="m", project="p")
@@ -190,7 +192,7 @@ async def test_two_replica_processes_serve_64_requests_survive_a_kill_and_rejoin
 _RANK0_SCRIPT = """
 import asyncio, sys
 import journeyman as jm
-from journeyman import tasks
+from journeyman.app import tasks
 
 async def main() -> None:  # unguarded on purpose: nothing may re-run this script in another rank
     backend = jm.LocalBackend(path=sys.argv[1], trainer=jm.TrainerConfig.from_env())
@@ -222,7 +224,7 @@ def test_torchrun_on_two_nodes_over_loopback(tmp_path: Path) -> None:
     import sys
 
     from journeyman.engine.vllm_server import free_port
-    from journeyman.weights import resolve_base_model
+    from journeyman.policy.weights import resolve_base_model
 
     port = free_port()  # on loopback, for torchrun's store
     script = tmp_path / "train.py"
@@ -234,7 +236,16 @@ def test_torchrun_on_two_nodes_over_loopback(tmp_path: Path) -> None:
     # refuses two ranks on one GPU, and each node thinks it is alone)
     gpus = ["0", "1"] if torch.cuda.device_count() >= 2 else ["", ""]
     node1 = subprocess.Popen(
-        [*torchrun, "--node-rank", "1", *where, "-m", "journeyman.distributed", "--base-model", base],
+        [
+            *torchrun,
+            "--node-rank",
+            "1",
+            *where,
+            "-m",
+            "journeyman.training.distributed",
+            "--base-model",
+            base,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -9,7 +9,7 @@ import httpx
 import journeyman as jm
 import openai
 import pytest
-from journeyman.tokenize import trajectory_rows
+from journeyman.training.rows import trajectory_rows
 
 pytestmark = pytest.mark.integration
 
@@ -289,10 +289,10 @@ async def test_sampling_on_merged_weights_records_the_trainers_logprobs() -> Non
     """The engine samples with the adapter merged into the base weights; what it records must be
     what the trainer computes on the unmerged model, and unmerging must give the base back."""
     import torch
-    from journeyman.adapter import LoraPolicy
     from journeyman.engine.base import SamplingParams
     from journeyman.engine.torch_engine import TorchEngine
-    from journeyman.weights import DEFAULT_BASE_MODEL, resolve_base_model
+    from journeyman.policy.lora import LoraPolicy
+    from journeyman.policy.weights import DEFAULT_BASE_MODEL, resolve_base_model
 
     policy = LoraPolicy(resolve_base_model(DEFAULT_BASE_MODEL))
     base = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "base_layer" in n}

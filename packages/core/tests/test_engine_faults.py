@@ -32,9 +32,9 @@ class _Bomb(str):
 @pytest.fixture(scope="module")
 def policy() -> Iterator[Any]:
     import torch
-    from journeyman.adapter import LoraPolicy
-    from journeyman.config import DEFAULT_BASE_MODEL
-    from journeyman.weights import resolve_base_model
+    from journeyman.data.config import DEFAULT_BASE_MODEL
+    from journeyman.policy.lora import LoraPolicy
+    from journeyman.policy.weights import resolve_base_model
 
     # One thread, as each of the suite's two xdist workers gets (conftest.py): run alone (-n0) on a
     # busy 2-core machine, two spinning OpenMP threads made a decode step 4x slower.
@@ -114,9 +114,9 @@ def test_vllm_is_started_with_a_random_key_it_requires_on_every_call() -> None:
     """The vLLM server gets a fresh random API key through its environment (never on its command
     line, which any local user can read), and the engine's requests carry it as a bearer token;
     a key the user passes in `extra_args` is the one used."""
-    from journeyman.config import DEFAULT_BASE_MODEL
+    from journeyman.data.config import DEFAULT_BASE_MODEL
     from journeyman.engine.vllm_server import VLLMConfig, VLLMServer
-    from journeyman.weights import resolve_base_model
+    from journeyman.policy.weights import resolve_base_model
 
     model = resolve_base_model(DEFAULT_BASE_MODEL)
     a, b = (VLLMServer(model, VLLMConfig(python=sys.executable, log_file=os.devnull)) for _ in range(2))

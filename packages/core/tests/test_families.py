@@ -18,10 +18,11 @@ from typing import Any
 import journeyman as jm
 import pytest
 from filelock import FileLock
-from journeyman.chat_format import ChatFormat, SampledTurns
-from journeyman.messages import normalize_messages
-from journeyman.tokenize import common_prefix_length, trajectory_rows
-from journeyman.weights import cache_dir
+from journeyman.chat.formats import ChatFormat, SampledTurns
+from journeyman.chat.messages import normalize_messages
+from journeyman.data.paths import cache_dir
+from journeyman.data.prefix import common_prefix_length
+from journeyman.training.rows import trajectory_rows
 
 pytestmark = pytest.mark.integration
 

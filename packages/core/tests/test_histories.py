@@ -6,8 +6,8 @@ from typing import Any
 
 import journeyman as jm
 import pytest
-from journeyman.histories import extends, histories_of, join_calls, main_first, trajectory_of
-from journeyman.tokenize import _rows_from_records
+from journeyman.rollout.histories import extends, histories_of, join_calls, main_first, trajectory_of
+from journeyman.training.rows import _rows_from_records
 from openai.types.chat.chat_completion import Choice
 
 SYSTEM = {"role": "system", "content": "You answer with the tools."}

@@ -22,7 +22,7 @@ from typing import Any
 
 import journeyman as jm
 import pytest
-from journeyman import tasks
+from journeyman.app import tasks
 from journeyman.integrations.langfuse import (
     META_KEY,
     TRACE_ID_KEY,
@@ -30,8 +30,8 @@ from journeyman.integrations.langfuse import (
     export_to_langfuse,
     fetch_review_set,
 )
-from journeyman.observe import GroupContext, emit
-from journeyman.tokenize import trajectory_rows
+from journeyman.rollout.observe import GroupContext, emit
+from journeyman.training.rows import trajectory_rows
 
 pytestmark = pytest.mark.integration
 
@@ -372,7 +372,7 @@ async def test_foreign_traces_are_retokenized_grouped_by_metadata_and_skips_are_
 async def test_cli_pulls_the_review_set_and_trains_one_step(
     exported: Any, reviewed: dict[str, float], receiver: Any, run_root: Path, tmp_path: Path
 ) -> None:
-    from journeyman.integrations.langfuse_cli import app
+    from journeyman.app.langfuse_cli import app
     from typer.testing import CliRunner
 
     exporter, _ = exported

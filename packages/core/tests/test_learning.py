@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from journeyman.demo import run_demo
+from journeyman.app.demo import run_demo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -1,4 +1,4 @@
-"""journeyman.llm without a model: each spec kind, the errors that name the field, the served step in
+"""journeyman.rewards.llm without a model: each spec kind, the errors that name the field, the served step in
 a local model's identity, and the timeout. Local models are served by a small OpenAI-shaped server
 on 127.0.0.1 behind a stand-in backend that only answers `inference()`."""
 
@@ -16,10 +16,10 @@ from typing import Any
 import journeyman as jm
 import pytest
 from fastapi import FastAPI, Request
-from journeyman.backend import set_current_backend
-from journeyman.endpoint import ServerThread
-from journeyman.llm import LLM, LLMTimeoutError, chat_client, complete_json, resolve_llm
-from journeyman.openai_http import chat_completion_body
+from journeyman.client.protocol import set_current_backend
+from journeyman.rewards.llm import LLM, LLMTimeoutError, chat_client, complete_json, resolve_llm
+from journeyman.serving.endpoint import ServerThread
+from journeyman.serving.openai_http import chat_completion_body
 from openai.types.chat import ChatCompletion
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}

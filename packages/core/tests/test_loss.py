@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from journeyman.loss import group_advantages, head_logprobs, policy_loss, token_logprobs
+from journeyman.training.loss import group_advantages, head_logprobs, policy_loss, token_logprobs
 
 
 def test_group_advantages() -> None:

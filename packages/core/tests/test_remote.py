@@ -13,9 +13,9 @@ import httpx
 import journeyman as jm
 import pytest
 from fastapi.routing import APIRoute
-from journeyman import tasks
-from journeyman.remote_wire import PREFIX
-from journeyman.server import ServerProcess, create_app
+from journeyman.app import tasks
+from journeyman.backends.server import ServerProcess, create_app
+from journeyman.client.wire import PREFIX
 
 pytestmark = pytest.mark.integration
 
@@ -148,7 +148,7 @@ async def test_rollouts_captures_and_a_train_step_through_the_server(server: Ser
 
 
 def _train_body(groups: list[jm.TrajectoryGroup], key: str) -> bytes:
-    from journeyman.remote_wire import TrainBody, gzip_json
+    from journeyman.client.wire import TrainBody, gzip_json
 
     return gzip_json(
         TrainBody(groups=groups, config=jm.TrainConfig(micro_batch_tokens=64), idempotency_key=key)

@@ -20,9 +20,7 @@ from typing import Any
 import journeyman as jm
 import pytest
 from fastapi import FastAPI, Request
-from journeyman.endpoint import ServerThread
-from journeyman.openai_http import chat_completion_body
-from journeyman.ruler import (
+from journeyman.rewards.ruler import (
     DEFAULT_RUBRIC,
     RulerConfig,
     RulerJudgeError,
@@ -30,6 +28,8 @@ from journeyman.ruler import (
     ruler_score_group,
     truncate,
 )
+from journeyman.serving.endpoint import ServerThread
+from journeyman.serving.openai_http import chat_completion_body
 
 _TRAJ = re.compile(r'<trajectory id="(\d+)">\n(.*?)\n</trajectory>', re.DOTALL)
 

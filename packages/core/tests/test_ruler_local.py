@@ -14,7 +14,7 @@ from typing import Any
 import journeyman as jm
 import jsonschema
 import pytest
-from journeyman.ruler import RulerConfig, build_prompt, ruler_score_group
+from journeyman.rewards.ruler import RulerConfig, build_prompt, ruler_score_group
 
 pytestmark = pytest.mark.integration
 

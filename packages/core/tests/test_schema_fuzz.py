@@ -11,9 +11,9 @@ from pathlib import Path
 import journeyman as jm
 import schemathesis
 from hypothesis import HealthCheck, settings
-from journeyman.guard import Guard
-from journeyman.server import create_app
-from journeyman.tokens import TOKENS_FILE, TokenBook
+from journeyman.backends.server import create_app
+from journeyman.serving.guard import Guard
+from journeyman.serving.tokens import TOKENS_FILE, TokenBook
 
 ADMIN = "schema-fuzz-admin-0123456789"
 RUN = Path(tempfile.mkdtemp(prefix="journeyman-schema-fuzz-"))  # tokens the fuzzer adds land here

@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import journeyman as jm
 import pytest
-from journeyman.endpoint import ServerThread
-from journeyman.guard import Guard, HeaderTimeoutH11, needed_scope
-from journeyman.remote_wire import PREFIX
-from journeyman.server import ServerProcess, create_app
-from journeyman.tokens import TOKENS_FILE, TokenBook
+from journeyman.backends.server import ServerProcess, create_app
+from journeyman.client.wire import PREFIX
+from journeyman.serving.endpoint import ServerThread
+from journeyman.serving.guard import Guard, HeaderTimeoutH11, needed_scope
+from journeyman.serving.tokens import TOKENS_FILE, TokenBook
 
 ADMIN = "admin-secret-0123456789abcdef"
 LIMIT = 4096

@@ -19,11 +19,11 @@ from typing import Any
 import journeyman as jm
 import pytest
 import torch
-from journeyman import tasks
-from journeyman.cli import app as cli
-from journeyman.sft import SFTTrainer, lr_factor
-from journeyman.tokenize import Row
-from journeyman.train import Pack
+from journeyman.app import tasks
+from journeyman.app.cli import app as cli
+from journeyman.training.rows import Row
+from journeyman.training.sft import SFTTrainer, lr_factor
+from journeyman.training.trainer import Pack
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -148,7 +148,7 @@ class _Server:
 
     def __init__(self, backend: jm.LocalBackend) -> None:
         import uvicorn
-        from journeyman.server import DEFAULT_MAX_BODY_BYTES, Guard, create_app
+        from journeyman.backends.server import DEFAULT_MAX_BODY_BYTES, Guard, create_app
 
         app = Guard(create_app(backend, TOKEN), TOKEN, DEFAULT_MAX_BODY_BYTES)
         self.sock = socket.socket()

@@ -11,7 +11,7 @@ from typing import Any
 
 import journeyman as jm
 import pytest
-from journeyman.store import RunStore
+from journeyman.backends.store import RunStore
 from openai.types.chat.chat_completion import Choice
 
 
@@ -88,7 +88,7 @@ def test_a_torn_last_history_line_is_dropped_and_repaired(
     whole = path.read_bytes()
     with path.open("ab") as f:
         f.write(b'{"step": 2, "split": "tr')  # the power went out here
-    with caplog.at_level(logging.WARNING, logger="journeyman.store"):
+    with caplog.at_level(logging.WARNING, logger="journeyman.backends.store"):
         assert [r["step"] for r in store.history()] == [0, 1]
     assert "torn last line" in caplog.text
     assert path.read_bytes() == whole  # repaired on disk
@@ -104,7 +104,7 @@ def test_a_torn_last_history_line_is_dropped_and_repaired(
     # a row that lost only its newline is kept; a garbled middle line is skipped with a warning
     path.write_bytes(whole + b'garbage\n{"step": 3, "split": "val"}')
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="journeyman.store"):
+    with caplog.at_level(logging.WARNING, logger="journeyman.backends.store"):
         assert [r["step"] for r in store.history()] == [0, 1, 3]
     assert "line 3 is not a JSON object" in caplog.text
     assert path.read_bytes().endswith(b'{"step": 3, "split": "val"}\n')
@@ -160,7 +160,7 @@ def test_every_file_the_store_writes_is_strict_json(tmp_path: Path) -> None:
     assert [r.get("train/loss", 0) for r in store.history()] == [None, 0]
     assert store.delete_checkpoints("val/reward") == []  # a null metric is no candidate for "best"
 
-    from journeyman.plot import plot_history
+    from journeyman.app.plot import plot_history
 
     assert plot_history(store.history(), tmp_path / "reward.png", metric="loss").stat().st_size > 0
 
@@ -197,7 +197,7 @@ def test_groups_of_failed_abandoned_and_committed_calls_are_kept_apart(
     sent = [_group("killed")]  # a retry sends the very same groups
     killed = store.begin_attempt(sent, "train", 1, key="k")
     inode = (d / killed.file("attempt")).stat().st_ino
-    with caplog.at_level(logging.WARNING, logger="journeyman.store"):
+    with caplog.at_level(logging.WARNING, logger="journeyman.backends.store"):
         assert RunStore(tmp_path).resume_step() == 1
     assert "in flight" in caplog.text and (d / "0001.abandoned-k.jsonl").exists()
     with pytest.raises(jm.InvalidFieldError):

@@ -14,9 +14,9 @@ from pathlib import Path
 import journeyman as jm
 import pytest
 import torch
-from journeyman import tasks
-from journeyman.store import RunStore
-from journeyman.tokenize import trajectory_rows
+from journeyman.app import tasks
+from journeyman.backends.store import RunStore
+from journeyman.training.rows import trajectory_rows
 from openai.types.chat.chat_completion import Choice
 
 pytestmark = pytest.mark.integration
@@ -69,7 +69,7 @@ def test_rows_join_calls_that_extend_each_other(chat_format) -> None:
 
 
 def test_groups_whose_rewards_barely_differ_are_dropped_when_asked(chat_format) -> None:
-    from journeyman.train import build_rows
+    from journeyman.training.trainer import build_rows
 
     def group(*rewards: float) -> jm.TrajectoryGroup:
         return jm.TrajectoryGroup(
@@ -289,7 +289,7 @@ async def test_step_checkpoint_serve_resume_and_prune(
     adapter.write_bytes(adapter.read_bytes()[:1000])
     backend3 = jm.LocalBackend(path=tmp_path)
     model3 = jm.TrainableModel(name="m", project="p")
-    with caplog.at_level(logging.WARNING, logger="journeyman.store"):
+    with caplog.at_level(logging.WARNING, logger="journeyman.backends.store"):
         await model3.register(backend3)
     assert await model3.get_step() == 1
     warning = caplog.text
@@ -330,7 +330,7 @@ def test_checkpoints_are_whole_and_a_bad_one_is_named_and_skipped(
 
     # one flipped byte (same size) is caught by the manifest's sha256
     (tmp_path / "checkpoints" / "0002" / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
-    with caplog.at_level(logging.WARNING, logger="journeyman.store"):
+    with caplog.at_level(logging.WARNING, logger="journeyman.backends.store"):
         assert store.resume_step() == 1
     assert "step 2" in caplog.text and "sha256" in caplog.text
     assert store.state()["step"] == 1 and store.state()["base_model"] == "b"
@@ -359,8 +359,8 @@ def _file_size_limit(limit: int) -> Iterator[None]:
 def test_a_shared_prefix_runs_once_with_the_same_logprobs_and_gradients(served) -> None:
     """Rows that share an untrained prefix (system prompt, tools) run it once per micro-batch; the
     logprobs and the LoRA gradients equal those of running every row in full."""
-    from journeyman.tokenize import Row
-    from journeyman.train import micro_batches, pad_rows, shared_prefix_length, trained_logprobs
+    from journeyman.training.rows import Row
+    from journeyman.training.trainer import micro_batches, pad_rows, shared_prefix_length, trained_logprobs
 
     model, backend = served
     service = backend.service(model)
@@ -403,8 +403,8 @@ def test_packed_rows_give_the_logprobs_and_gradients_of_padded_rows(served) -> N
     """Rows of different lengths packed into sequences (no padding, each shared prefix once per
     sequence, trained turns that rows share included) give every row's logprobs and the LoRA
     gradients that the same rows right-padded and run in full give, to fp32 rounding."""
-    from journeyman.tokenize import Row
-    from journeyman.train import pack_rows, packed_logprobs, pad_rows, trained_logprobs
+    from journeyman.training.rows import Row
+    from journeyman.training.trainer import pack_rows, packed_logprobs, pad_rows, trained_logprobs
 
     model, backend = served
     policy = backend.service(model).policy

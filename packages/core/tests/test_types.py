@@ -8,7 +8,7 @@ import httpx
 import journeyman as jm
 import openai
 import pytest
-from journeyman.failures import check_on_error, settle_failed_run
+from journeyman.data.failures import check_on_error, settle_failed_run
 from openai.types.chat.chat_completion import Choice
 
 

@@ -26,8 +26,8 @@ import journeyman as jm
 import jsonschema
 import openai
 import pytest
-from journeyman import tasks
-from journeyman.demo import run_demo
+from journeyman.app import tasks
+from journeyman.app.demo import run_demo
 from journeyman.engine import vllm_env
 from journeyman.engine.vllm_engine import VLLMEngine
 from journeyman.engine.vllm_server import VLLMConfig
@@ -121,7 +121,7 @@ def test_provisioning_without_a_reachable_index_says_how(
 
 def test_server_dies_with_a_killed_parent(vllm_python: str, tmp_path: Path) -> None:
     """SIGKILL the process that started vLLM: the kernel's parent-death signal takes the server down."""
-    from journeyman.weights import DEFAULT_BASE_MODEL, resolve_base_model
+    from journeyman.policy.weights import DEFAULT_BASE_MODEL, resolve_base_model
 
     weights = resolve_base_model(DEFAULT_BASE_MODEL)
     pid_file = tmp_path / "pid"
@@ -176,7 +176,7 @@ def _group(pgid: int) -> list[int]:
 
 def test_start_failure_shows_the_server_log(vllm_python: str) -> None:
     from journeyman.engine.vllm_server import VLLMServer, VLLMStartError
-    from journeyman.weights import DEFAULT_BASE_MODEL, resolve_base_model
+    from journeyman.policy.weights import DEFAULT_BASE_MODEL, resolve_base_model
 
     server = VLLMServer(
         resolve_base_model(DEFAULT_BASE_MODEL),

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal, TypedDict
 
 import journeyman as jm
 import pytest
-from journeyman.chat_format import ChatFormat
-from journeyman.tokenize import trajectory_rows
+from journeyman.chat.formats import ChatFormat
+from journeyman.training.rows import trajectory_rows
 from journeyman_langgraph import chat_model, current_trajectory, init_chat_model, trainable, trajectory
 from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request
-from journeyman.endpoint import ServerThread
-from journeyman.openai_http import chat_completion_body
+from journeyman.serving.endpoint import ServerThread
+from journeyman.serving.openai_http import chat_completion_body
 from journeyman_mcp.rollout import RolloutConfig, rollout
 from journeyman_mcp.scenarios import CheckTools, generate_scenarios, generation_schema
 from journeyman_mcp.server import ServerInfo, ServerSpec, SessionPool, tool_kind

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import journeyman as jm
 import pytest
-from journeyman.weights import cache_dir
+from journeyman.data.paths import cache_dir
 from journeyman_mcp.scenarios import Check, generate_scenarios, schema_scenarios, split
 from journeyman_mcp.server import ServerInfo, ServerSpec, SessionPool, bound_strings
 

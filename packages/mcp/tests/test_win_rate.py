@@ -14,8 +14,8 @@ from typing import Any, cast
 import journeyman as jm
 import pytest
 from fastapi import FastAPI, Request
-from journeyman.endpoint import ServerThread
-from journeyman.openai_http import chat_completion_body
+from journeyman.serving.endpoint import ServerThread
+from journeyman.serving.openai_http import chat_completion_body
 from journeyman_mcp.players import resolve_against
 from journeyman_mcp.rollout import COMPLETE_TOOL, RolloutConfig, system_prompt
 from journeyman_mcp.scenarios import Scenario

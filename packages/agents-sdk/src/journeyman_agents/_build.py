@@ -2,7 +2,7 @@
 
 Each call the endpoint served for a run is joined to the model-call span the SDK traced for it
 (see `_tracing`), which names the agent. The calls then form histories by core's one rule
-(`journeyman.histories`), partitioned by agent: an agent's tool loop is one token sequence, and
+(`journeyman.rollout.histories`), partitioned by agent: an agent's tool loop is one token sequence, and
 after a handoff the specialist has its own system prompt, so it gets its own history.
 
 The first trained history is the trajectory's main conversation; the others are additional
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from journeyman import CapturedCall, Trajectory
-from journeyman.histories import join_calls, main_first, trajectory_of
-from journeyman.messages import assistant_key
+from journeyman.chat.messages import assistant_key
+from journeyman.rollout.histories import join_calls, main_first, trajectory_of
 
 from ._tracing import SpanInfo, agent_of
 

@@ -11,7 +11,7 @@ Per run:
   each call. Calls and spans are joined per request into the trajectory (`_build`).
 - A run that raises (`MaxTurnsExceeded`, a guardrail tripwire, `ModelBehaviorError`) is still a
   trajectory of the calls made before the error, with `error` set, under `on_error="score"` (the
-  default; `journeyman.failures`). The SDK's `UserError` (a misconfigured agent) always re-raises.
+  default; `journeyman.data.failures`). The SDK's `UserError` (a misconfigured agent) always re-raises.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from agents.result import RunResult, RunResultStreaming
 from agents.stream_events import StreamEvent
 from agents.tracing import gen_trace_id, get_current_trace
 from journeyman import CapturedCall, RolloutException, capture_scope
-from journeyman.failures import ErrorReward, OnError, check_on_error, settle_failed_run
+from journeyman.data.failures import ErrorReward, OnError, check_on_error, settle_failed_run
 
 from ._build import build_trajectory
 from ._provider import JourneymanModelProvider, ModelAPI
@@ -110,7 +110,7 @@ class TrainableRunner:
     `"score"` (default) returns `AgentRun(None, trajectory)`, the trajectory holding the calls made
     before the error, `error` set and reward `error_reward` (a number or a function of the
     trajectory); `"drop"` raises `RolloutDroppedError` (a group counts it as dropped); `"raise"`
-    re-raises. Service failures and the SDK's `UserError` always re-raise (`journeyman.failures`).
+    re-raises. Service failures and the SDK's `UserError` always re-raise (`journeyman.data.failures`).
     """
 
     def __init__(

@@ -28,7 +28,7 @@ from agents.tracing import (
     TurnSpanData,
     add_trace_processor,
 )
-from journeyman.messages import assistant_key
+from journeyman.chat.messages import assistant_key
 
 
 @dataclass

@@ -4,9 +4,13 @@
 libraries load when a backend first serves a model.
 """
 
-from .backend import Backend, Inference, current_backend
-from .capture import CAPTURE_HEADER, CapturedCall, capture_scope
-from .config import (
+from journeyman.backends.connect import open_backend
+from journeyman.backends.local import LocalBackend
+from journeyman.backends.tracking import Tracker
+from journeyman.client.model import Capture, TrainableModel
+from journeyman.client.protocol import Backend, Inference, current_backend
+from journeyman.client.remote import RemoteBackend
+from journeyman.data.config import (
     DEFAULT_BASE_MODEL,
     LoraConfig,
     ModelConfig,
@@ -15,9 +19,18 @@ from .config import (
     TrainerConfig,
     TrainResult,
 )
-from .connect import open_backend
-from .engine.vllm_server import VLLMConfig
-from .errors import (
+from journeyman.data.failures import OnError
+from journeyman.data.trajectory_file import read_trajectories, write_trajectories
+from journeyman.data.types import (
+    History,
+    RolloutException,
+    TokenRecord,
+    Trajectory,
+    TrajectoryGroup,
+    record_of,
+)
+from journeyman.engine.vllm_server import VLLMConfig
+from journeyman.errors import (
     AuthenticationError,
     BackendUnavailableError,
     BaseModelNotFoundError,
@@ -36,15 +49,9 @@ from .errors import (
     TrainerRankError,
     UnknownModelError,
 )
-from .failures import OnError
-from .gather import gather_trajectory_groups
-from .local_backend import LocalBackend
-from .model import Capture, TrainableModel
-from .remote_backend import RemoteBackend
-from .ruler import RulerConfig, RulerJudgeError, ruler_score_group
-from .tracking import Tracker
-from .trajectory_file import read_trajectories, write_trajectories
-from .types import History, RolloutException, TokenRecord, Trajectory, TrajectoryGroup, record_of
+from journeyman.rewards.ruler import RulerConfig, RulerJudgeError, ruler_score_group
+from journeyman.rollout.capture import CAPTURE_HEADER, CapturedCall, capture_scope
+from journeyman.rollout.gather import gather_trajectory_groups
 
 __all__ = [
     "CAPTURE_HEADER",

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar, overload
 
 from journeyman import InvalidFieldError, TrainableModel, Trajectory
-from journeyman.failures import ErrorReward, OnError, check_on_error, settle_failed_run
-from journeyman.histories import histories_of
+from journeyman.data.failures import ErrorReward, OnError, check_on_error, settle_failed_run
+from journeyman.rollout.histories import histories_of
 from langchain_core.language_models import BaseChatModel
 from langchain_core.runnables import Runnable, RunnableBinding
 
@@ -172,7 +172,7 @@ def trajectory(
     `"score"` (default) returns the trajectory of the calls made before the error, `error` set and
     reward `error_reward` (a number, or a function of the trajectory); `"drop"` raises
     `RolloutDroppedError` (a group counts it as dropped); `"raise"` re-raises the exception.
-    Service failures (endpoint unreachable, 5xx, timeouts) always re-raise (`journeyman.failures`).
+    Service failures (endpoint unreachable, 5xx, timeouts) always re-raise (`journeyman.data.failures`).
     """
     if not isinstance(model, TrainableModel):
         raise InvalidFieldError(

@@ -10,8 +10,8 @@ still ranks the group.
 from __future__ import annotations
 
 from journeyman import Backend, TrajectoryGroup
-from journeyman.llm import LLMSpec
-from journeyman.ruler import RulerConfig, ruler_score_group
+from journeyman.rewards.llm import LLMSpec
+from journeyman.rewards.ruler import RulerConfig, ruler_score_group
 
 RUBRIC = """\
 - The agent was given a task and the tools of an MCP server. A trajectory that gets the task done \
@@ -35,7 +35,7 @@ async def score_group(
 ) -> TrajectoryGroup:
     """RULER over the group (unless `judge` is None/"none"), added to each rollout's own reward.
 
-    judge / judge_model: see `journeyman.llm` ("local", "local:<name>", a model, a base URL + model
+    judge / judge_model: see `journeyman.rewards.llm` ("local", "local:<name>", a model, a base URL + model
     name, a LiteLLM id). `config` defaults to `JUDGE_CONFIG`: short explanations and tool results,
     so that a small local judge stays fast.
     """

@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 import journeyman as jm
-from journeyman.messages import message_of_choice
+from journeyman.chat.messages import message_of_choice
 from openai import BadRequestError
 from pydantic import BaseModel, Field
 

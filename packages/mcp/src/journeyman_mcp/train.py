@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import journeyman as jm
-from journeyman.plot import plot_history
+from journeyman.app.plot import plot_history
 from pydantic import BaseModel, Field
 
 from .players import BASE, NONE, Player, policy_player, resolve_against

@@ -1,3 +1,3 @@
-from .base import Engine, Sample, SamplingParams
+from journeyman.engine.base import Engine, Sample, SamplingParams
 
 __all__ = ["Engine", "Sample", "SamplingParams"]

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidFieldError
+from journeyman.errors import InvalidFieldError
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..adapter import attention_implementation
+from journeyman.policy.lora import attention_implementation
 
 PREFIX_ATTENTION = "journeyman_shared_prefix"
 

@@ -18,8 +18,8 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import EngineDownError
-from .base import Engine, Sample, SamplingParams
+from journeyman.engine.base import Engine, Sample, SamplingParams
+from journeyman.errors import EngineDownError
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class ReplicatedEngine(Engine):
 
     async def _restart(self, i: int, path: Path, step: int) -> None:
         """A down replica that can be started afresh (a worker process) is, serving `path`."""
-        from .torch_process import TorchProcessEngine
+        from journeyman.engine.torch_process import TorchProcessEngine
 
         old = self.replicas[i]
         if not isinstance(old, TorchProcessEngine):

@@ -39,11 +39,11 @@ from typing import Any, cast
 import torch
 from transformers import DynamicCache, StaticCache
 
-from ..adapter import LoraPolicy, cache_kv
-from ..errors import EngineDownError, InvalidFieldError
-from ..tokenize import MIN_SHARED_PREFIX, common_prefix_length
-from .base import Engine, FinishReason, Sample, SamplingParams, T, hand_over
-from .prefix_attention import prefix_attention
+from journeyman.data.prefix import MIN_SHARED_PREFIX, common_prefix_length
+from journeyman.engine.base import Engine, FinishReason, Sample, SamplingParams, T, hand_over
+from journeyman.engine.prefix_attention import prefix_attention
+from journeyman.errors import EngineDownError, InvalidFieldError
+from journeyman.policy.lora import LoraPolicy, cache_kv
 
 log = logging.getLogger("journeyman.engine")
 
@@ -775,7 +775,7 @@ class TorchEngine(Engine):
     def _grammar_cache(self) -> Any:
         with self._grammars_lock:
             if self._grammars is None:
-                from .grammar import GrammarCache
+                from journeyman.engine.grammar import GrammarCache
 
                 self._grammars = GrammarCache(self.tokenizer, self.policy.model.config.vocab_size)
             return self._grammars

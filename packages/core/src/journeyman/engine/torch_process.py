@@ -31,9 +31,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from ..config import LoraConfig
-from ..errors import EngineDownError, EngineTimeoutError, InvalidFieldError, JourneymanError
-from .base import Engine, Sample, SamplingParams, hand_over
+from journeyman.data.config import LoraConfig
+from journeyman.engine.base import Engine, Sample, SamplingParams, hand_over
+from journeyman.errors import EngineDownError, EngineTimeoutError, InvalidFieldError, JourneymanError
 
 log = logging.getLogger("journeyman.engine")
 
@@ -258,8 +258,8 @@ def _worker_main(conn: Connection) -> None:
     s = WorkerSpec.model_validate_json(conn.recv_bytes())
     torch.set_num_threads(s.threads)
     try:
-        from ..adapter import LoraPolicy
-        from .torch_engine import TorchEngine
+        from journeyman.engine.torch_engine import TorchEngine
+        from journeyman.policy.lora import LoraPolicy
 
         policy = LoraPolicy(Path(s.base_model), s.lora, device=s.device, dtype=s.dtype)
         if s.adapter is not None:

@@ -28,10 +28,10 @@ from typing import Any
 
 import httpx
 
-from ..errors import EngineDownError, InvalidFieldError, JourneymanError
-from .base import Engine, Sample, SamplingParams
-from .grammar import SCHEMA_FIELD, wrapped_ebnf
-from .vllm_server import VLLMConfig, VLLMServer
+from journeyman.engine.base import Engine, Sample, SamplingParams
+from journeyman.engine.grammar import SCHEMA_FIELD, wrapped_ebnf
+from journeyman.engine.vllm_server import VLLMConfig, VLLMServer
+from journeyman.errors import EngineDownError, InvalidFieldError, JourneymanError
 
 log = logging.getLogger("journeyman.vllm")
 

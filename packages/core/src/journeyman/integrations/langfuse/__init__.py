@@ -10,10 +10,23 @@
 Needs the extra: pip install "journeyman[langfuse]" (Langfuse Python SDK 5.x).
 """
 
-from ._client import CountingSpanExporter, Credentials, credentials
-from ._export import ExportStats, LangfuseExporter, export_to_langfuse
-from ._import import LangfuseTrace, ReviewScore, ReviewSet, fetch_review_set, fetch_trajectory_groups
-from ._wire import GENERATION_NAME, GROUP_ID_KEY, META_KEY, TRACE_ID_KEY, GenerationPayload, TracePayload
+from journeyman.integrations.langfuse._client import CountingSpanExporter, Credentials, credentials
+from journeyman.integrations.langfuse._export import ExportStats, LangfuseExporter, export_to_langfuse
+from journeyman.integrations.langfuse._import import (
+    LangfuseTrace,
+    ReviewScore,
+    ReviewSet,
+    fetch_review_set,
+    fetch_trajectory_groups,
+)
+from journeyman.integrations.langfuse._wire import (
+    GENERATION_NAME,
+    GROUP_ID_KEY,
+    META_KEY,
+    TRACE_ID_KEY,
+    GenerationPayload,
+    TracePayload,
+)
 
 __all__ = [
     "GENERATION_NAME",

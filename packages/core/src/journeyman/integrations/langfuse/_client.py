@@ -25,7 +25,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise ImportError('Langfuse support needs the extra: pip install "journeyman[langfuse]"') from e
 
-from ...errors import InvalidFieldError
+from journeyman.errors import InvalidFieldError
 
 log = logging.getLogger("journeyman.langfuse")
 

@@ -1,6 +1,6 @@
 """Every trajectory that gather, train or log sees, as a Langfuse trace — off the training path.
 
-`on_groups` (called by `journeyman.observe.emit` on the training path) only stamps ids and puts
+`on_groups` (called by `journeyman.rollout.observe.emit` on the training path) only stamps ids and puts
 references on a bounded queue: it never blocks and never raises. A daemon thread turns queued
 trajectories into observations with the Langfuse SDK and flushes them; when Langfuse is slow or
 down the queue overflows and trajectories are dropped with a counted warning instead.
@@ -26,11 +26,11 @@ from typing import Any
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, Field
 
-from ...errors import InvalidFieldError
-from ...observe import GroupContext, add_sink, remove_sink
-from ...types import History, Trajectory, TrajectoryGroup, record_of
-from . import _wire
-from ._client import ExportConnection, credentials, export_connection
+from journeyman.data.types import History, Trajectory, TrajectoryGroup, record_of
+from journeyman.errors import InvalidFieldError
+from journeyman.integrations.langfuse import _wire
+from journeyman.integrations.langfuse._client import ExportConnection, credentials, export_connection
+from journeyman.rollout.observe import GroupContext, add_sink, remove_sink
 
 try:
     from langfuse import Langfuse, propagate_attributes
@@ -75,7 +75,7 @@ _STOP = object()
 
 
 class LangfuseExporter:
-    """A trajectory sink (see `journeyman.observe`) that exports to Langfuse in a background thread.
+    """A trajectory sink (see `journeyman.rollout.observe`) that exports to Langfuse in a background thread.
 
     Create it with `export_to_langfuse(...)`. Thread-safe: `on_groups` may be called from any
     thread; everything that talks to Langfuse runs on the exporter's own daemon thread.

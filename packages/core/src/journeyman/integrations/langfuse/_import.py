@@ -27,13 +27,13 @@ from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, Field, ValidationError
 from tqdm.auto import tqdm
 
-from ...capture import CapturedCall
-from ...errors import InvalidFieldError
-from ...histories import join_calls, trajectory_of
-from ...messages import ROLES, Message, text_of
-from ...types import History, Trajectory, TrajectoryGroup
-from . import _wire
-from ._client import credentials, read_api
+from journeyman.chat.messages import ROLES, Message, text_of
+from journeyman.data.types import History, Trajectory, TrajectoryGroup
+from journeyman.errors import InvalidFieldError
+from journeyman.integrations.langfuse import _wire
+from journeyman.integrations.langfuse._client import credentials, read_api
+from journeyman.rollout.capture import CapturedCall
+from journeyman.rollout.histories import join_calls, trajectory_of
 
 try:
     from langfuse import Langfuse

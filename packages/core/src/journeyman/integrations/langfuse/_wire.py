@@ -22,8 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from ...messages import Message
-from ...types import History, TokenRecord, Tool, Trajectory, record_of
+from journeyman.chat.messages import Message
+from journeyman.data.types import History, TokenRecord, Tool, Trajectory, record_of
 
 SCHEMA_VERSION = 1
 META_KEY = "journeyman"  # the metadata key of both payloads (asked for unabridged on import)

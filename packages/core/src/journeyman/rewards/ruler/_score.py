@@ -1,0 +1,206 @@
+"""The public entry: ask the judge about one group (or read its answer from the cache), turn the
+scores into rewards, retry once when the answer is unusable."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from journeyman.data.types import TrajectoryGroup
+from journeyman.errors import InvalidFieldError, JourneymanError
+from journeyman.rewards.llm import LLM, LLMSpec, complete_json, resolve_llm, spec_label
+from journeyman.rewards.ruler._cache import cache_key, cache_read, cache_write, default_cache_dir
+from journeyman.rewards.ruler._config import RulerConfig
+from journeyman.rewards.ruler._prompt import (
+    DEFAULT_RUBRIC,
+    MAX_SCORE,
+    JudgePrompt,
+    RulerScore,
+    build_prompt,
+    parse_scores,
+    retry_message,
+)
+
+if TYPE_CHECKING:
+    from journeyman.client.protocol import Backend
+
+
+class RulerJudgeError(JourneymanError, RuntimeError):
+    """The judge's answer was unusable twice (bad JSON, wrong number of scores, unknown ids)."""
+
+    def __init__(self, judge: str, problems: list[str], answers: list[str]) -> None:
+        self.judge = judge
+        self.problems = problems
+        self.answers = answers
+        super().__init__(
+            f"judge={judge!r} answered wrongly {len(problems)} times: " + "; then ".join(problems)
+        )
+
+
+async def ruler_score_group(
+    group: TrajectoryGroup,
+    judge: LLMSpec = "local",
+    rubric: str | None = None,
+    swallow_exceptions: bool = False,
+    *,
+    config: RulerConfig | None = None,
+    backend: Backend | None = None,
+    **options: Any,
+) -> TrajectoryGroup:
+    """Score each trajectory of `group` in [0, 1] relative to the others; return a new group.
+
+    judge: "local" (the model the backend registered last; works offline), "local:<model name>" or a
+        TrainableModel (e.g. a frozen judge beside the policy), an OpenAI-compatible base URL such as
+        "http://127.0.0.1:8000/v1" (with `judge_model=`), or any LiteLLM model string such as
+        "openai/gpt-4o" (`pip install "journeyman[litellm]"`). See `journeyman.rewards.llm`.
+    rubric: what "better" means; `DEFAULT_RUBRIC` when None.
+    swallow_exceptions: when the judge fails, return the group unscored instead of raising: every
+        reward set to the group's mean previous reward (no learning signal), `ruler_skipped` = 1 in
+        each trajectory's metrics, the error in `group.metadata["ruler"]`. Wrong arguments and a
+        missing extra are raised all the same.
+    config / **options: a `RulerConfig`, and/or its fields by name (`judge_model=`, `explanation_chars=`,
+        `cache_dir=`...), which override the config's.
+    backend: where local judges are served; the backend of the latest `model.register` when None.
+
+    The new group's rewards are score / 10; each trajectory keeps its previous reward as
+    `metrics["independent_reward"]` (the first one, if the group was scored before), and gets
+    `metrics["ruler_cached"]`, `metrics["ruler_retries"]`, `metrics["ruler_skipped"]` and the judge's
+    explanation in `metadata["ruler_explanation"]`.
+    """
+    if config is not None and not isinstance(config, RulerConfig):
+        raise InvalidFieldError("config", config, "expected a journeyman.rewards.ruler.RulerConfig")
+    cfg = (config or RulerConfig()).with_options(**options)
+    if not group.trajectories:
+        return group
+    rubric = DEFAULT_RUBRIC if rubric is None else rubric
+    try:
+        return await _score(group, judge, rubric, cfg, backend)
+    except (InvalidFieldError, ImportError):
+        raise  # a wrong argument or a missing extra is the caller's to fix, never swallowed
+    except Exception as e:
+        if not swallow_exceptions:
+            raise
+        return _skipped(group, spec_label(judge), e)
+
+
+async def _score(
+    group: TrajectoryGroup, spec: LLMSpec, rubric: str, cfg: RulerConfig, backend: Backend | None
+) -> TrajectoryGroup:
+    judge = await resolve_llm(spec, cfg.judge_model, api_key=cfg.api_key, backend=backend, field="judge")
+    prompt = build_prompt(
+        group.trajectories,
+        rubric,
+        explanation_chars=cfg.explanation_chars,
+        max_tool_output_chars=cfg.max_tool_output_chars,
+    )
+    sampling = {"temperature": cfg.temperature, **cfg.judge_params}
+    params = dict(sampling)
+    max_tokens = cfg.max_tokens
+    if max_tokens is None and judge.kind != "litellm":
+        max_tokens = len(prompt.ids) * (40 + cfg.explanation_chars) + 32
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    key = cache_key(judge.identity, rubric, prompt.digests, cfg.explanation_chars, sampling)
+    path = (cfg.cache_dir if cfg.cache_dir is not None else default_cache_dir()) / f"{key}.json"
+
+    hit = cache_read(path) if cfg.use_cache else None
+    cached, retries = hit is not None, 0
+    if hit is not None:
+        by_digest, answer = hit
+    else:
+        by_digest, answer, retries = await _ask(judge, prompt, params, cfg.timeout_s)
+        if cfg.use_cache:
+            cache_write(path, judge.identity, by_digest, answer)
+
+    out = []
+    for t, digest in zip(group.trajectories, prompt.group_digests, strict=True):
+        s = by_digest[digest]
+        metrics = {
+            **t.metrics,
+            "independent_reward": t.metrics.get("independent_reward", t.reward),
+            "ruler_cached": int(cached),
+            "ruler_retries": retries,
+            "ruler_skipped": 0,
+        }
+        metadata = {**t.metadata, "ruler_explanation": s.explanation}
+        new = t.model_copy(
+            deep=True,
+            update={
+                "reward": s.score / MAX_SCORE,
+                "metrics": metrics,
+                "metadata": metadata,
+                "logs": [*t.logs, f"RULER {s.score:g}/10: {s.explanation}"],
+            },
+        )
+        out.append(new)
+    info = {
+        "judge": judge.identity,
+        "unique": len(prompt.ids),
+        "cached": cached,
+        "retries": retries,
+        "skipped": False,
+        "answer": answer,  # the judge's raw JSON, for debugging a judge
+    }
+    return TrajectoryGroup(
+        out,
+        exceptions=list(group.exceptions),
+        dropped=list(group.dropped),
+        metadata={**group.metadata, "ruler": info},
+    )
+
+
+async def _ask(
+    judge: LLM, prompt: JudgePrompt, params: dict[str, Any], timeout: float
+) -> tuple[dict[str, RulerScore], str, int]:
+    """(scores by trajectory digest, the raw answer, retries): one retry, told what was wrong."""
+    messages = list(prompt.messages)
+    problems: list[str] = []
+    answers: list[str] = []
+    for attempt in range(2):
+        content, finish = await complete_json(
+            judge, messages, prompt.schema, name="ruler_scores", params=params, timeout=timeout
+        )
+        scores, problem = parse_scores(content, prompt.ids)
+        if scores is not None:
+            by_digest = {d: scores[i] for i, d in zip(prompt.ids, prompt.digests, strict=True)}
+            return by_digest, content, attempt
+        if finish == "length":
+            problem += f" (the answer was cut off at max_tokens={params.get('max_tokens')})"
+        problems.append(problem)
+        answers.append(content)
+        if attempt == 0:
+            messages = [
+                *prompt.messages,
+                {"role": "assistant", "content": content},
+                retry_message(problem, prompt.ids),
+            ]
+    raise RulerJudgeError(judge.identity, problems, answers)
+
+
+def _skipped(group: TrajectoryGroup, judge: str, error: Exception) -> TrajectoryGroup:
+    """The group with no learning signal left in it: every reward the same (the mean so far)."""
+    mean = sum(t.reward for t in group.trajectories) / len(group.trajectories)
+    out = []
+    for t in group.trajectories:
+        metrics = {
+            **t.metrics,
+            "independent_reward": t.metrics.get("independent_reward", t.reward),
+            "ruler_cached": 0,
+            "ruler_retries": 0,
+            "ruler_skipped": 1,
+        }
+        out.append(
+            t.model_copy(
+                deep=True,
+                update={"reward": mean, "metrics": metrics, "logs": [*t.logs, f"RULER skipped: {error}"]},
+            )
+        )
+    info = {"judge": judge, "skipped": True, "error": f"{type(error).__name__}: {error}"}
+    return TrajectoryGroup(
+        out,
+        exceptions=list(group.exceptions),
+        dropped=list(group.dropped),
+        metadata={**group.metadata, "ruler": info},
+    )
+
+
+__all__ = ["RulerJudgeError", "ruler_score_group"]

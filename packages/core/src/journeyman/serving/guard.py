@@ -1,0 +1,193 @@
+"""The door of every HTTP server Journeyman runs: tokens with scopes, bodies capped as read, deadlines
+for a request's head and body. `journeyman serve` and each model's own endpoint (LocalBackend) both
+stand behind it, so nothing that serves a model answers without a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import h11
+from fastapi.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from journeyman.client.wire import PREFIX
+from journeyman.serving.tokens import Scope, TokenBook, allows
+
+ASGIApp = Callable[
+    [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[..., Awaitable[None]]], Awaitable[None]
+]
+
+DEFAULT_MAX_BODY_BYTES = 64 * 2**20
+
+
+def json_error(
+    status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", **extra: Any
+) -> JSONResponse:
+    error = {"message": message, "type": kind, "param": param, **extra}
+    return JSONResponse(status_code=status, content={"error": error})
+
+
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+
+# What each route needs (scopes nest: sample < train < admin). Backend routes by their last path
+# segment; the OpenAI routes, `info` and the docs need `sample`; anything unlisted needs `admin`.
+ROUTE_SCOPES: dict[str, Scope] = {
+    "info": "sample",
+    "step": "sample",
+    "history": "sample",
+    "run_dir": "sample",
+    "captures": "sample",
+    "register": "train",
+    "train": "train",
+    "train_sft": "train",
+    "log": "train",
+    "serve_step": "train",
+    "delete_checkpoints": "admin",
+    "tokens": "admin",
+}
+
+
+def needed_scope(path: str) -> Scope:
+    """The scope a request to `path` needs."""
+    if not path.startswith(PREFIX + "/"):
+        return "sample"  # the OpenAI routes, /docs, /openapi.json
+    parts = path[len(PREFIX) + 1 :].split("/")
+    op = parts[0] if parts[0] in ("info", "register", "tokens") else parts[-1]
+    return ROUTE_SCOPES.get(op, "admin")
+
+
+class Guard:
+    """ASGI middleware in front of everything the server answers.
+
+    The bearer token on every request (401), its scope against the route (403); a body read whole
+    here, counted as it arrives whatever its framing (a declared Content-Length beside chunked
+    transfer is refused outright: a request smuggling shape), capped (413) and with an idle timeout
+    between its chunks (408). The app gets the token's name in `request.state.token`.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        tokens: TokenBook | str,
+        max_body_bytes: int,
+        *,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+    ) -> None:
+        self.app = app
+        self.tokens = token_book(tokens)
+        self.max = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers: dict[bytes, bytes] = {}
+        for k, v in scope.get("headers") or []:
+            if k in headers and k in (b"authorization", b"content-length", b"transfer-encoding"):
+                return await json_error(400, f"duplicate {k.decode()} header", kind="bad_request")(
+                    scope, receive, send
+                )
+            headers[k] = v
+        auth = headers.get(b"authorization", b"")
+        token = self.tokens.lookup(auth[7:].decode("latin-1")) if auth[:7].lower() == b"bearer " else None
+        if token is None:
+            return await json_error(401, "unauthorized", kind="unauthorized")(scope, receive, send)
+        needed = needed_scope(scope["path"])
+        if not allows(token.scope, needed):
+            return await json_error(
+                403,
+                f"this route needs a token of scope {needed!r}; this one is {token.scope!r}",
+                kind="forbidden",
+            )(scope, receive, send)
+        scope.setdefault("state", {})["token"] = token.name
+        if b"content-length" in headers and b"transfer-encoding" in headers:
+            return await json_error(
+                400, "Content-Length and Transfer-Encoding together are refused", kind="bad_request"
+            )(scope, receive, send)
+        too_large = json_error(
+            413, f"request body over the server's limit of {self.max} bytes (journeyman serve --max-body-mb)"
+        )
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max):
+            return await too_large(scope, receive, send)
+        messages: list[dict[str, Any]] = []
+        seen = 0
+        while True:  # the body, whole, before the app runs: counted as read, not as declared
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except TimeoutError:
+                return await json_error(
+                    408, f"no body bytes for {self.body_timeout_s:g} s", kind="request_timeout"
+                )(scope, receive, send)
+            messages.append(message)
+            seen += len(message.get("body", b""))
+            if seen > self.max:
+                return await too_large(scope, receive, send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        replay = iter(messages)
+
+        async def replayed() -> dict[str, Any]:
+            return next(replay, None) or await receive()
+
+        await self.app(scope, replayed, send)
+
+
+class HeaderTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for a request's head: a connection that has not sent
+    complete headers `HEADER_TIMEOUT_S` after it opened (or after its last response, on top of the
+    keep-alive wait) is closed, authenticated or not (uvicorn alone waits forever: slowloris)."""
+
+    header_timeout_s = HEADER_TIMEOUT_S
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.header_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the head is in
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm(self.timeout_keep_alive + self.header_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self, after_s: float) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(after_s, self._head_late)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def token_book(tokens: TokenBook | str) -> TokenBook:
+    return tokens if isinstance(tokens, TokenBook) else TokenBook(admin_secret=tokens)
+
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "ROUTE_SCOPES",
+    "Guard",
+    "HeaderTimeoutH11",
+    "json_error",
+    "needed_scope",
+    "token_book",
+]
