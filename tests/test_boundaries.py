@@ -320,3 +320,90 @@ def test_core_has_no_import_cycle() -> None:
             seen.add(frozenset(cycle))
             reports.append(describe_cycle(graph, cycle))
     assert not reports, "import cycles between core modules:\n" + "\n\n".join(reports)
+
+
+# Core's layers, bottom to top: a module imports only its own layer and those below (anywhere in
+# the file, functions and TYPE_CHECKING included). The package faces (`journeyman`, the adapters'
+# seam `journeyman.adapters`) sit above them all; only the app layer (the CLI) reaches up to one.
+LAYERS = (
+    ("errors", "_extras"),
+    ("chat",),
+    ("data",),
+    ("rollout",),
+    ("client",),
+    ("rewards", "integrations"),
+    ("policy",),
+    ("engine",),
+    ("training",),
+    ("serving",),
+    ("backends",),
+    ("app",),
+)
+FACES = ("journeyman", "journeyman.adapters")
+# What a light install lacks: the layers below `policy` (and the faces) never import these at all,
+# and only `serving` and above import the HTTP server's libraries.
+TORCH_SHAPED = ("torch", "transformers", "peft", "safetensors", "gguf", "xgrammar", "matplotlib")
+HTTP_SERVER = ("fastapi", "starlette", "uvicorn")
+LIGHT_BELOW = "policy"
+HTTP_FROM = "serving"
+
+
+def layer_of(module: str) -> int:
+    """The module's tier (the faces: len(LAYERS)); a module outside every layer is an error."""
+    if module in FACES:
+        return len(LAYERS)
+    part = module.split(".")[1]
+    for tier, names in enumerate(LAYERS):
+        if part in names:
+            return tier
+    raise AssertionError(f"{module} is in no layer: put it in one of core's layer folders")
+
+
+def _tier(name: str) -> int:
+    return next(t for t, names in enumerate(LAYERS) if name in names)
+
+
+def upward_imports(graph: dict[str, dict[str, Import]]) -> list[str]:
+    found: list[str] = []
+    known = modules(CORE)
+    for source, edges in graph.items():
+        tier = layer_of(source)
+        for target, imp in edges.items():
+            allowed = tier == _tier("app") and target in FACES
+            if layer_of(target) > tier and not allowed:
+                where = known[source].where(imp.line) if source in known else source
+                found.append(f"{where}: {source} imports {target}, a higher layer ({imp.context})")
+    return found
+
+
+def test_core_layers_import_only_downward() -> None:
+    graph = core_graph()
+    for name in graph:
+        layer_of(name)  # every module sits in a layer
+    found = upward_imports(graph)
+    assert not found, "imports that run up core's layers:\n" + "\n".join(found)
+
+
+def test_the_layer_check_catches_a_planted_upward_import() -> None:
+    graph = {name: dict(edges) for name, edges in core_graph().items()}
+    planted = Import("journeyman.backends.local", ("LocalBackend",), None, 1, "function")
+    graph["journeyman.data.types"]["journeyman.backends.local"] = planted
+    assert upward_imports(graph) == [
+        "packages/core/src/journeyman/data/types.py:1: journeyman.data.types imports "
+        "journeyman.backends.local, a higher layer (function)"
+    ]
+
+
+def test_light_layers_import_no_torch_and_no_http_server() -> None:
+    found: list[str] = []
+    for mod in modules(CORE).values():
+        tier = layer_of(mod.name)
+        for imp in imports(mod):
+            if imp.context == "TYPE_CHECKING":
+                continue
+            lib = _top(imp.module)
+            if lib in TORCH_SHAPED and (tier < _tier(LIGHT_BELOW) or mod.name in FACES):
+                found.append(f"{mod.where(imp.line)}: {mod.name} imports {lib}")
+            if lib in HTTP_SERVER and (tier < _tier(HTTP_FROM) or mod.name in FACES):
+                found.append(f"{mod.where(imp.line)}: {mod.name} imports {lib}")
+    assert not found, "the light layers import what only the backend extra installs:\n" + "\n".join(found)
