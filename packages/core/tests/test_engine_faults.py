@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from journeyman.engine.base import Sample, SamplingParams
-from journeyman.engine.torch_engine import TorchEngine, _Job
+from journeyman.engine.torch_engine import TorchEngine
 from journeyman.errors import EngineDownError, InvalidFieldError
 from pydantic import ValidationError
 
@@ -164,10 +164,7 @@ def _slipped(
 ) -> asyncio.Future[list[Sample]]:
     """A request that got past `generate`'s checks (a caller that queued it directly), queued the
     way `generate` queues one."""
-    loop = asyncio.get_running_loop()
-    job = _Job(prompt_ids, params, loop, loop.create_future())
-    engine._queue.put(job)
-    return job.future
+    return engine.scheduler.submit(prompt_ids, params)
 
 
 @pytest.mark.integration
@@ -237,12 +234,12 @@ async def test_a_dead_worker_fails_what_it_held_and_is_restarted(policy: Any, pr
         def crash() -> None:
             raise _Crash("in a training call")
 
-        first = engine._thread
+        first = engine.scheduler.thread
         with pytest.raises(EngineDownError, match="died running this call"):
             await engine.call(crash)
         await _until(lambda: engine.restarts == 2)
         assert engine.alive
-        assert await engine.call(threading.current_thread) is engine._thread is not first
+        assert await engine.call(threading.current_thread) is engine.scheduler.thread is not first
         [sample] = await engine.generate(prompt, SamplingParams(max_tokens=3, seed=3))
         assert len(sample.token_ids) == 3
     finally:

@@ -1,0 +1,408 @@
+"""The in-process engine's worker thread: it gathers queued requests into batches, runs them on a
+`BatchRunner` a step at a time, and runs torch work handed to it (`call`) between batches.
+
+One request's failure stays that request's: a prefill that raises is redone job by job to find the
+culprit (a cost paid only on failure), and a row that raises while decoding takes only its own
+request out of the batch (`BatchRunner.advance` reports it). A worker thread that dies fails the
+requests it held and is replaced, a bounded number of times (`max_restarts`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from journeyman.engine.base import Sample, SamplingParams, T, hand_over
+from journeyman.engine.batch import Batch, BatchRunner
+from journeyman.errors import EngineDownError
+
+__all__ = ["Scheduler", "SchedulerConfig"]
+
+log = logging.getLogger("journeyman.engine")
+
+
+@dataclass
+class SchedulerConfig:
+    """How requests are gathered into batches, and how often a worker that dies is replaced."""
+
+    max_batch_rows: int = 64  # rows sampled together at most
+    # A new batch gathers requests until none has arrived for `batch_wait_s`, for at most
+    # `batch_wait_max_s`. The endpoint hands a burst over one by one (rendering each takes a few
+    # ms), so a fixed window from the first request split 32 concurrent rollouts into batches
+    # of 1 and 31, and the 31 waited for the first to finish decoding.
+    batch_wait_s: float = 0.05
+    batch_wait_max_s: float = 0.25
+    # Continuous batching: requests that arrive while a batch samples join it. Off by default: a
+    # join copies every running row's cache and held both caches at once, and it never clearly beat
+    # static batching on this 2-core CPU; a slot-allocated cache that new rows write into would pay.
+    continuous: bool = False
+    # A join copies every running row's cache into a new one and prefills the newcomers on
+    # their own, so it is worth it only for several rows at once: queued rows join when they
+    # are `join_fraction` of the running ones, or the first of them has waited `join_wait_s`.
+    # (Joining each arrival alone made 64 concurrent rollouts crawl: one cache copy per row.)
+    join_fraction: float = 0.25
+    join_wait_s: float = 1.0
+    # A worker thread that dies (a bug, a call that raised past `_run_calls`) fails the jobs it
+    # held and is replaced, as a dead replica is (`replicas`); one that dies more than
+    # `max_restarts` times within `restart_window_s` stays down: a deterministic crash must not spin.
+    max_restarts: int = 3
+    restart_window_s: float = 60.0
+
+
+@dataclass(eq=False)
+class _Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[list[Sample]]
+    alone: bool = False  # prefilled alone after a batch with it failed as a whole: batched alone
+
+
+@dataclass(eq=False)
+class _Call:
+    """Torch work handed to the worker thread (`Scheduler.call`)."""
+
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+
+_WAKE = object()  # queued by `call`, to wake a take blocked on the queue
+
+
+class Scheduler:
+    """Serves `submit`ted requests and `call`s on one worker thread, started at once."""
+
+    def __init__(self, runner: BatchRunner[_Job], config: SchedulerConfig) -> None:
+        self.runner = runner
+        self.config = config
+        self.batches = 0
+        self.rows_joined = 0  # rows admitted into a batch that was already sampling
+        self.served = 0
+        self.restarts = 0
+        self._deaths: list[float] = []  # when restarts happened, within the window
+        self._queued_since: float | None = None  # when a running batch first saw a queued request
+        # why requests are refused (closed, or the worker stays down); None while serving. Read and
+        # set under `_lock` with each enqueue, so nothing is queued after the last drain.
+        self._down: str | None = None
+        self._lock = threading.Lock()
+        # requests; None: close; `_WAKE`: a call is pending (in `_calls`), for a take blocked here
+        self._queue: queue.Queue[_Job | object | None] = queue.Queue()
+        self._calls: collections.deque[_Call] = collections.deque()  # run before the next batch
+        self._running: list[_Job] = []  # the batch being sampled
+        self.thread = self._start_worker()  # replaced when it dies
+
+    @property
+    def alive(self) -> bool:
+        return self._down is None
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> asyncio.Future[list[Sample]]:
+        """Queue a request (checked already: see `BatchRunner.check_prompt`); its samples come on
+        the returned future, of the running loop."""
+        loop = asyncio.get_running_loop()
+        job = _Job(prompt_ids, params, loop, loop.create_future())
+        with self._lock:
+            if self._down is not None:
+                raise EngineDownError(self._down)
+            self._queue.put(job)
+        return job.future
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the worker thread, between two batches, ahead of requests queued.
+
+        On this thread, not another: libgomp gives each thread that runs parallel torch work an
+        OpenMP team of its own, and a second team made every later decode step wait on futex wakes."""
+        loop = asyncio.get_running_loop()
+        call = _Call(functools.partial(fn, *args), loop, loop.create_future())
+        with self._lock:
+            if self._down is not None:
+                raise EngineDownError(self._down)
+            self._calls.append(call)  # ahead of every queued request, not behind them
+            self._queue.put(_WAKE)
+        return await call.future
+
+    def close(self) -> None:
+        """Stop the worker; requests still queued fail with EngineDownError instead of waiting."""
+        with self._lock:
+            self._down = self._down or "the in-process engine is closed"
+            self._queue.put(None)
+
+    def join(self, timeout: float) -> None:
+        """Wait for the worker thread to finish after `close`."""
+        self.thread.join(timeout)
+
+    # -- the worker thread ---------------------------------------------------------------------------
+
+    def _start_worker(self) -> threading.Thread:
+        thread = threading.Thread(target=self._work, name="journeyman-engine", daemon=True)
+        thread.start()
+        return thread
+
+    def _work(self) -> None:
+        carry: list[_Job] = []
+        try:
+            self._serve(carry)
+        except BaseException as e:
+            self._died(e, [*self._running, *carry])
+
+    def _died(self, error: BaseException, held: list[_Job]) -> None:
+        """The worker is dying of `error`. Never silently: the jobs it held fail (EngineDownError),
+        and a fresh worker serves what is queued, unless this one is the `max_restarts`+1-th to die
+        within `restart_window_s`; then the engine stays down and every request fails at once."""
+        log.error("the in-process engine's worker died", exc_info=error)
+        # What the dead worker was doing is dropped with it (the runner's `sampling()` exited as
+        # it unwound).
+        self._running, self._queued_since = [], None
+        cfg = self.config
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < cfg.restart_window_s]
+        with self._lock:
+            if self._down is None and len(self._deaths) >= cfg.max_restarts:
+                self._down = (
+                    f"the in-process engine's worker died {len(self._deaths) + 1} times within "
+                    f"{cfg.restart_window_s:g} s (TorchEngine.max_restarts={cfg.max_restarts}); it "
+                    f"stays down. Last error: {error!r}"
+                )
+            if self._down is None:
+                try:
+                    self.thread = self._start_worker()
+                except RuntimeError as e:  # no thread to be had: nothing left to serve with
+                    self._down = (
+                        f"the in-process engine's worker died ({error!r}) and could not be restarted: {e}"
+                    )
+                else:
+                    self._deaths.append(now)
+                    self.restarts += 1
+        restarted = self._down is None
+        died = EngineDownError(
+            f"the in-process engine's worker died while serving this request ({error!r}); "
+            + ("a new worker serves the next requests" if restarted else str(self._down))
+        )
+        for j in held:
+            hand_over(j.loop, j.future, error=died)
+        if restarted:
+            log.warning(
+                "the in-process engine's worker restarted (%d in the last %g s, at most %d)",
+                len(self._deaths),
+                cfg.restart_window_s,
+                cfg.max_restarts,
+            )
+        else:
+            log.error("%s", self._down)
+            self._fail_queued([], EngineDownError(str(self._down)))
+
+    def _serve(self, carry: list[_Job]) -> None:
+        batch: Batch[_Job] | None = None
+        cfg = self.config
+        with contextlib.ExitStack() as held:
+            while True:
+                if batch is None:
+                    held.close()  # idle: the weights are free for a training step
+                    self._run_calls()
+                    jobs = self._take(carry, cfg.max_batch_rows, wait=True)
+                    if jobs is None:
+                        self._fail_queued(carry)
+                        return
+                    if not jobs:  # a call came first
+                        continue
+                    self._running = [*self._running, *jobs]  # held now: failed, never lost
+                    held.enter_context(self.runner.sampling())
+                    self._queued_since = None
+                    batch = self._open(jobs, carry)
+                elif (
+                    cfg.continuous
+                    and not self.runner.weights_wanted
+                    and not self._calls
+                    and self._worth_joining(batch, carry)
+                ):
+                    # Continuous batching: requests that arrived during earlier decode steps join
+                    # the running batch now. None are admitted while a training step waits for the
+                    # weights, so the batch drains and the step gets them.
+                    jobs = self._take(carry, cfg.max_batch_rows - len(batch.rows), wait=False)
+                    self._queued_since = None
+                    if jobs:
+                        self._running = [*self._running, *jobs]
+                        batch = self._admit(batch, jobs, carry)
+                if batch is not None:
+                    batch = self._guarded(self._running, self._decode, batch)
+
+    def _worth_joining(self, batch: Batch[_Job], carry: list[_Job]) -> bool:
+        """Whether the requests queued now should join the running batch (see `join_fraction`)."""
+        queued = len(carry) + self._queue.qsize()  # jobs, not rows: a close enough count
+        if not queued:
+            self._queued_since = None
+            return False
+        if len(batch.rows) >= self.config.max_batch_rows:
+            return False
+        now = time.monotonic()
+        if self._queued_since is None:
+            self._queued_since = now
+        return (
+            queued >= self.config.join_fraction * len(batch.rows)
+            or now - self._queued_since >= self.config.join_wait_s
+        )
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            call = self._calls.popleft()
+            if call.future.cancelled():
+                continue
+            try:
+                result = call.fn()
+            except Exception as e:
+                hand_over(call.loop, call.future, error=e)
+            except BaseException as e:  # it kills the worker (`_died`); the caller hears why
+                down = EngineDownError(f"the in-process engine's worker died running this call: {e!r}")
+                hand_over(call.loop, call.future, error=down)
+                raise
+            else:
+                hand_over(call.loop, call.future, result)
+
+    def _take(self, carry: list[_Job], room: int, wait: bool) -> list[_Job] | None:
+        """Jobs for up to `room` rows: with `wait`, block for the first, then gather what arrives
+        until a `batch_wait_s` gap (at most `batch_wait_max_s` in all); without, only what is
+        queued now. None: the engine is closing. A pending call (`call`) ends the take with no
+        jobs: it runs before the next batch, and the jobs gathered so far wait in `carry`."""
+        jobs: list[_Job] = []
+        rows = 0
+        deadline = last_call = 0.0
+        while True:
+            if self._calls:
+                carry[:0] = jobs
+                return []
+            if carry:
+                job: _Job | object | None = carry.pop(0)
+            else:
+                try:
+                    if wait and not jobs:
+                        job = self._queue.get()
+                    elif wait:
+                        job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    else:
+                        job = self._queue.get_nowait()
+                except queue.Empty:
+                    return jobs
+            if job is None:
+                if jobs or not wait:  # finish what runs; the next blocking take stops
+                    self._queue.put(None)
+                    return jobs
+                return None
+            if not isinstance(job, _Job):  # `_WAKE`: the pending call is seen at the loop's top
+                continue
+            if job.future.cancelled():  # its caller gave up (a timeout): no batch time spent on it
+                continue
+            # The first job of a new batch always fits; a running batch takes only what fits, and
+            # never a job that must be batched alone.
+            if (jobs or not wait) and (job.alone or rows + job.params.n > room):
+                carry.insert(0, job)
+                return jobs
+            now = time.monotonic()
+            if not jobs:
+                last_call = now + self.config.batch_wait_max_s
+            jobs.append(job)
+            rows += job.params.n
+            if job.alone:
+                return jobs
+            deadline = min(now + self.config.batch_wait_s, last_call)
+
+    def _guarded(
+        self, jobs: list[_Job], run: Callable[..., Batch[_Job] | None], *args: Any
+    ) -> Batch[_Job] | None:
+        """Run one decode step; if it raises where no row can be singled out (the forward pass),
+        the jobs it touched fail with the error (and leave the batch) while the engine goes on."""
+        try:
+            return run(*args)
+        except Exception as e:
+            for j in list(jobs):
+                hand_over(j.loop, j.future, error=e)
+            self._running = [j for j in self._running if j not in jobs]
+            return None
+
+    def _decode(self, batch: Batch[_Job]) -> Batch[_Job] | None:
+        """Sample a token a row and answer what that settled, before the forward pass that readies
+        the next token; None when no row is left."""
+        step = self.runner.advance(batch)
+        for job, error in step.failed:
+            self._fail(job, error)
+        for job, samples in step.answered:
+            self.served += 1
+            self._running = [j for j in self._running if j is not job]
+            hand_over(job.loop, job.future, samples)
+        if not step.keep:
+            return None
+        self.runner.forward(batch, step.keep)
+        return batch
+
+    def _fail(self, job: _Job, error: Exception) -> None:
+        """`job` alone fails with `error`."""
+        self._running = [j for j in self._running if j is not job]
+        hand_over(job.loop, job.future, error=error)
+
+    def _open(self, jobs: list[_Job], carry: list[_Job]) -> Batch[_Job] | None:
+        """A new batch of `jobs`, prefilled; None when that raised (see `_isolate`)."""
+        try:
+            batch = self.runner.prefill(jobs)
+        except Exception as e:
+            self._isolate(jobs, carry, e)
+            return None
+        self.batches += 1
+        return batch
+
+    def _admit(self, batch: Batch[_Job], jobs: list[_Job], carry: list[_Job]) -> Batch[_Job]:
+        """The running batch with `jobs` joined; as it was when their prefill or the join raised."""
+        try:
+            joined = self.runner.join(batch, jobs)
+        except Exception as e:
+            self._isolate(jobs, carry, e)
+            return batch
+        self.batches += 1
+        self.rows_joined += sum(j.params.n for j in jobs)
+        return joined
+
+    def _isolate(self, jobs: list[_Job], carry: list[_Job], error: Exception) -> None:
+        """The prefill of `jobs` raised: one bad request must not fail the well-formed ones sent
+        with it. Each job is prefilled alone (a cost paid only on failure); those that raise alone
+        fail with their own error, the others go back to the front of the queue (`carry`). If none
+        raises alone, the batch as a whole was the trouble (memory, say): each is then served in a
+        batch of its own, so no batch can fail the same way twice."""
+        if len(jobs) == 1:
+            self._fail(jobs[0], error)
+            return
+        good: list[_Job] = []
+        for j in jobs:
+            try:
+                self.runner.prefill([j])
+            except Exception as e:
+                self._fail(j, e)
+            else:
+                good.append(j)
+        if len(good) == len(jobs):
+            log.warning("a prefill of %d requests failed (%r) though each alone did not", len(jobs), error)
+            for j in good:
+                j.alone = True
+        self._running = [j for j in self._running if j not in good]
+        carry[:0] = good
+
+    def _fail_queued(self, carry: list[_Job], down: BaseException | None = None) -> None:
+        down = down or EngineDownError("the in-process engine stopped before serving this request")
+        waiting: list[_Job | _Call] = [*carry]
+        while self._calls:
+            waiting.append(self._calls.popleft())
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, _Job):
+                waiting.append(job)
+        for j in waiting:
+            hand_over(j.loop, j.future, error=down)
