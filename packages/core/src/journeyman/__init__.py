@@ -1,12 +1,16 @@
 """Journeyman: on-the-job reinforcement learning for LLM agents.
 
-`import journeyman` is light (no torch, nothing started): the engine, the trainer and their
-libraries load when a backend first serves a model.
+`import journeyman` is light (no torch, nothing started) and works on the light install
+(`pip install journeyman`: RemoteBackend, TrainableModel, RULER, the adapters). The names of the
+machine that trains (`LocalBackend`, `open_backend`, `Tracker`, `VLLMConfig`) load their modules
+on first use; constructing a `LocalBackend` without `pip install 'journeyman[backend]'` says so.
 """
 
-from journeyman.backends.connect import open_backend
-from journeyman.backends.local import LocalBackend
-from journeyman.backends.tracking import Tracker
+from __future__ import annotations
+
+from importlib import import_module as _import_module
+from typing import TYPE_CHECKING
+
 from journeyman.client.model import Capture, TrainableModel
 from journeyman.client.protocol import Backend, Inference, current_backend
 from journeyman.client.remote import RemoteBackend
@@ -29,7 +33,6 @@ from journeyman.data.types import (
     TrajectoryGroup,
     record_of,
 )
-from journeyman.engine.vllm_server import VLLMConfig
 from journeyman.errors import (
     AuthenticationError,
     BackendUnavailableError,
@@ -52,6 +55,34 @@ from journeyman.errors import (
 from journeyman.rewards.ruler import RulerConfig, RulerJudgeError, ruler_score_group
 from journeyman.rollout.capture import CAPTURE_HEADER, CapturedCall, capture_scope
 from journeyman.rollout.gather import gather_trajectory_groups
+
+if TYPE_CHECKING:
+    from journeyman.backends.connect import open_backend
+    from journeyman.backends.local import LocalBackend
+    from journeyman.backends.tracking import Tracker
+    from journeyman.engine.vllm_server import VLLMConfig
+
+# The backend's names, imported on first access (module `__getattr__`, PEP 562).
+_LAZY = {
+    "LocalBackend": "journeyman.backends.local",
+    "Tracker": "journeyman.backends.tracking",
+    "VLLMConfig": "journeyman.engine.vllm_server",
+    "open_backend": "journeyman.backends.connect",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_import_module(module), name)
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "CAPTURE_HEADER",

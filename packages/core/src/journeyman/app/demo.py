@@ -10,12 +10,14 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from journeyman._extras import require_backend
 from journeyman.app import tasks
 from journeyman.app.plot import plot_history
 from journeyman.backends.local import LocalBackend
 from journeyman.client.model import TrainableModel
 from journeyman.client.protocol import Backend
 from journeyman.data.config import DEFAULT_BASE_MODEL, TrainConfig, TrainerConfig
+from journeyman.data.paths import RunLayout
 from journeyman.data.types import TrajectoryGroup
 from journeyman.engine.vllm_server import VLLMConfig
 from journeyman.rollout.gather import gather_trajectory_groups
@@ -81,6 +83,7 @@ async def run_demo(
 ) -> DemoResult:
     """Evaluate, train, evaluate again; on `backend` (e.g. a `RemoteBackend`) when given, else on a
     `LocalBackend` at `path` with `engine` and `world_size` trainer ranks that is closed at the end."""
+    require_backend("journeyman demo (its reward plot)", ("matplotlib",))  # before, not after, training
     own = backend is None
     backend = backend or LocalBackend(path=path, engine=engine, trainer=TrainerConfig(world_size=world_size))
     model = TrainableModel(name=name, project=project, base_model=base_model or DEFAULT_BASE_MODEL)
@@ -109,10 +112,10 @@ async def run_demo(
         after, val_groups = await evaluate(model, eval_prompts, max_tokens)
         await _log_eval(model, val_groups, after)
         # a remote backend's run directory is on the server: the plot is drawn here, under `path`
-        run_dir = model.run_dir if own else Path(path) / project / "models" / name
+        run_dir = model.run_dir if own else RunLayout.of(path, project, name).root
         plot = plot_history(
             await model.history(),
-            run_dir / "reward.png",
+            RunLayout(run_dir).reward_plot,
             title=f"{project}/{name}: short on-topic answers",
         )
         return DemoResult(before=before, after=after, steps=steps, run_dir=run_dir, plot=plot)

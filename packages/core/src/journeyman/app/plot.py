@@ -5,12 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from journeyman._extras import require_backend
+
 
 def plot_history(
     history: list[dict[str, Any]], out: Path, title: str = "reward", metric: str = "reward"
 ) -> Path:
     """`train/<metric>` per step and `<split>/<metric>` of each held-out split, with `<split>/<metric>_sem`
     error bars where recorded."""
+    require_backend("plotting a run", ("matplotlib",))
     import matplotlib
 
     matplotlib.use("Agg")
