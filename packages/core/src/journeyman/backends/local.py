@@ -7,18 +7,21 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from journeyman._extras import require_backend
 from journeyman.backends.store import TRAINING_SPLITS, Attempt, RunStore
 from journeyman.backends.tracking import Trackers, check_report_to, open_trackers
-from journeyman.client.protocol import Inference
+from journeyman.client.operations import LOG, TRAIN, TRAIN_SFT
+from journeyman.client.protocol import Inference, Progress, named_or_latest
 from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainerConfig, TrainResult, check_name
+from journeyman.data.paths import RunLayout
 from journeyman.data.trajectory_file import check_trajectories
 from journeyman.data.types import History, Trajectory, TrajectoryGroup
-from journeyman.errors import CheckpointError, InvalidFieldError
+from journeyman.errors import CheckpointError, InvalidFieldError, UnknownModelError
 from journeyman.rollout.capture import CapturedCall
 from journeyman.rollout.observe import GroupContext, emit
 
@@ -151,6 +154,62 @@ class _Service:
             self.ranks.sync()
 
 
+# What differs between a GRPO step and an SFT step (`LocalBackend._step` runs the rest of a step's
+# life, the same for both): `run` updates the adapter from checkpoint `step` while the engine sleeps,
+# answering (updated?, metrics); `settle`, once it woke, completes the metrics.
+
+
+@dataclass
+class _GRPOUpdate:
+    split: ClassVar[str] = "train"  # where the step's groups and history row go
+    groups: list[TrajectoryGroup]
+    config: TrainConfig
+
+    async def run(
+        self, s: _Service, step: int, on_progress: Progress | None
+    ) -> tuple[bool, dict[str, float]]:
+        train = s.ranks.step if s.ranks is not None else s.trainer.step
+        # on the engine's thread, not a pool thread (`Engine.call`: one OpenMP team per process)
+        updated, metrics = await s.engine.call(train, self.groups, self.config, on_progress)
+        if not updated:
+            log.warning(
+                "step %d skipped: none of the %d groups has rewards that differ (nothing to learn from)",
+                step,
+                len(self.groups),
+            )
+        return updated, metrics
+
+    async def settle(self, s: _Service, metrics: dict[str, float]) -> dict[str, float]:
+        return {**metrics, **s.endpoint.stats()}
+
+
+@dataclass
+class _SFTUpdate:
+    split: ClassVar[str] = "sft"
+    groups: list[TrajectoryGroup]
+    config: SFTConfig
+    rows: list[Any]  # `sft_rows`: tokenised before the step began
+    data_metrics: dict[str, float]
+
+    async def run(
+        self, s: _Service, step: int, on_progress: Progress | None
+    ) -> tuple[bool, dict[str, float]]:
+        try:
+            return True, await s.engine.call(s.sft_trainer().train, self.rows, self.config, on_progress)
+        except BaseException:
+            # earlier optimizer steps of the call changed the adapter: back to the last checkpoint
+            await s.engine.call(s.restore, step)
+            raise
+
+    async def settle(self, s: _Service, metrics: dict[str, float]) -> dict[str, float]:
+        if s.ranks is not None:  # SFT runs on rank 0; the other ranks take its weights
+            await s.engine.call(s.ranks.sync)
+        return {**self.data_metrics, **metrics}
+
+
+_Update = _GRPOUpdate | _SFTUpdate
+
+
 class LocalBackend:
     """Runs engine, endpoint and trainer for each registered model in this process (a `Backend`).
 
@@ -173,6 +232,7 @@ class LocalBackend:
         engine_replicas: int = 1,
         report_to: Sequence[str] = (),
     ) -> None:
+        require_backend("LocalBackend")  # a light install fails here, saying what to install
         if isinstance(engine, str):
             if engine not in ("torch", "vllm"):
                 raise InvalidFieldError(
@@ -315,19 +375,34 @@ class LocalBackend:
         try:
             return self._services[name]
         except KeyError:
-            raise InvalidFieldError(
-                "model", name, f"is not registered with this backend; registered: {sorted(self._services)}"
-            ) from None
+            raise UnknownModelError(name, self.registered()) from None
 
     def registered(self) -> list[str]:
         """Names of the models this backend serves, in order of registration."""
         return list(self._services)
 
+    # -- what `journeyman serve` needs besides the Backend (`ServedBackend`) -----------------------
+
+    def registered_model(self, name: str) -> ModelConfig:
+        if name not in self._services:
+            raise UnknownModelError(name, self.registered())
+        return self._services[name].model
+
+    async def chat_completion(
+        self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
+    ) -> dict[str, Any]:
+        """Answered by the endpoint of the model `body` names (`name`, or `name@step`)."""
+        name = body.get("model")
+        served = self._services.get(name.split("@")[0]) if isinstance(name, str) else None
+        if served is None:
+            raise UnknownModelError(str(name), self.served_names())
+        return await served.endpoint.chat_completion(body, capture_id, response_id)
+
+    def served_names(self) -> list[str]:
+        return [n for s in self._services.values() for n in s.endpoint.served_names()]
+
     def inference(self, model_name: str | None = None) -> Inference:
-        if model_name is None:
-            if not self._services:
-                raise InvalidFieldError("model", None, "no model is registered with this backend")
-            model_name = next(reversed(self._services))
+        model_name = named_or_latest(model_name, self.registered())
         return Inference(
             base_url=self.service(model_name).server.base_url, api_key=self.api_key, model=model_name
         )
@@ -364,15 +439,15 @@ class LocalBackend:
 
     # -- training and the run store ----------------------------------------------------------------
 
-    async def train(
+    # `train` and `train_sft` take their arguments as `Backend` declares them (made from the
+    # operations table); `_train` and `_train_sft` check and prepare them, `_step` runs the step.
+
+    async def _train(
         self,
         model: ModelConfig,
         groups: Sequence[TrajectoryGroup],
-        config: TrainConfig | None = None,
-        *,
-        idempotency_key: str | None = None,
-        on_progress: Callable[[int, int], None] | None = None,
-        trained_by: str | None = None,
+        config: TrainConfig | None,
+        **step: Any,
     ) -> TrainResult:
         """One training step on `groups`; the endpoint serves the new step when this returns.
 
@@ -385,64 +460,17 @@ class LocalBackend:
         refused (InvalidFieldError) before anything is written. `on_progress(done, total)` reports
         micro-batches; `trained_by` (who asked: an API token's name) goes into the history row.
         """
-        config = config or TrainConfig()
         s = self.service(model)
         groups = _check_groups(groups)
         _check_token_ids(groups, _vocab_size(s), "groups")
-        if idempotency_key is not None:
-            check_name("idempotency_key", idempotency_key)
-        async with s.step_lock:
-            return await self._train(s, model, groups, config, idempotency_key, on_progress, trained_by)
+        return await self._step(s, model, _GRPOUpdate(groups, config or TrainConfig()), **step)
 
-    async def _train(
-        self,
-        s: _Service,
-        model: ModelConfig,
-        groups: list[TrajectoryGroup],
-        config: TrainConfig,
-        idempotency_key: str | None,
-        on_progress: Callable[[int, int], None] | None,
-        trained_by: str | None = None,
-    ) -> TrainResult:
-        begun = self._begin(s, model, groups, "train", idempotency_key)
-        if isinstance(begun, TrainResult):
-            return begun
-        attempt, step = begun, begun.step
-        try:
-            s.trackers.config({"train": config.model_dump(mode="json")})
-            await s.engine.sleep()
-            try:
-                run = s.ranks.step if s.ranks is not None else s.trainer.step
-                # on the engine's thread, not a pool thread (`Engine.call`: one OpenMP team per process)
-                updated, metrics = await s.engine.call(run, groups, config, on_progress)
-            finally:
-                await s.engine.wake()
-            metrics.update(s.endpoint.stats())
-            if not updated:
-                log.warning(
-                    "step %d skipped: none of the %d groups has rewards that differ (nothing to learn from)",
-                    step,
-                    len(groups),
-                )
-                result = TrainResult(step=step, metrics=metrics, skipped=True)
-                self._commit(s, model, step, attempt, idempotency_key, result)
-                row = {"step": step, "split": "train", "skipped": True, **_prefixed("train", metrics)}
-                self._record(s, _by(row, trained_by), groups)
-                return result
-            return await self._checkpoint(s, model, attempt, metrics, groups, idempotency_key, trained_by)
-        except BaseException:
-            s.store.fail_attempt(attempt)  # a no-op once the step committed
-            raise
-
-    async def train_sft(
+    async def _train_sft(
         self,
         model: ModelConfig,
         trajectories: Iterable[Trajectory | TrajectoryGroup],
-        config: SFTConfig | None = None,
-        *,
-        idempotency_key: str | None = None,
-        on_progress: Callable[[int, int], None] | None = None,
-        trained_by: str | None = None,
+        config: SFTConfig | None,
+        **step: Any,
     ) -> TrainResult:
         """Supervised fine-tuning on `trajectories` (`sft.py`): one step of the run, like `train`.
 
@@ -457,33 +485,53 @@ class LocalBackend:
         s = self.service(model)
         items, flat = check_trajectories(trajectories)
         _check_token_ids(items, _vocab_size(s), "trajectories")
-        if idempotency_key is not None:
-            check_name("idempotency_key", idempotency_key)
         from journeyman.training.sft import sft_rows
 
         # tokenised before anything is written: a trajectory with nothing to train is refused by name
         rows, data_metrics = await asyncio.to_thread(sft_rows, flat, s.chat_format, config.max_seq_len)
         groups = [g if isinstance(g, TrajectoryGroup) else TrajectoryGroup([g]) for g in items]
+        return await self._step(s, model, _SFTUpdate(groups, config, rows, data_metrics), **step)
+
+    train = TRAIN.implemented_by(_train)
+    train_sft = TRAIN_SFT.implemented_by(_train_sft)
+
+    async def _step(
+        self,
+        s: _Service,
+        model: ModelConfig,
+        update: _Update,
+        *,
+        idempotency_key: str | None,
+        on_progress: Progress | None,
+        trained_by: str | None,
+    ) -> TrainResult:
+        """A step's life, whatever trains it: the idempotency key's earlier result if it has one;
+        else the groups written as an attempt, the update with the engine asleep, then the checkpoint
+        committed and served, and the history row; the attempt marked failed if anything raises."""
+        if idempotency_key is not None:
+            check_name("idempotency_key", idempotency_key)
         async with s.step_lock:
-            begun = self._begin(s, model, groups, "sft", idempotency_key)
+            begun = self._begin(s, model, update.groups, update.split, idempotency_key)
             if isinstance(begun, TrainResult):
                 return begun
-            attempt, step = begun, begun.step
+            attempt = begun
             try:
-                s.trackers.config({"sft": config.model_dump(mode="json")})
+                s.trackers.config({update.split: update.config.model_dump(mode="json")})
                 await s.engine.sleep()
                 try:
-                    metrics = await s.engine.call(s.sft_trainer().train, rows, config, on_progress)
-                except BaseException:
-                    # earlier optimizer steps of the call changed the adapter: back to the last checkpoint
-                    await s.engine.call(s.restore, step)
-                    raise
+                    updated, metrics = await update.run(s, attempt.step, on_progress)
                 finally:
                     await s.engine.wake()
-                if s.ranks is not None:  # SFT runs on rank 0; the other ranks take its weights
-                    await s.engine.call(s.ranks.sync)
-                metrics = {**data_metrics, **metrics}
-                return await self._checkpoint(s, model, attempt, metrics, groups, idempotency_key, trained_by)
+                metrics = await update.settle(s, metrics)
+                if updated:
+                    return await self._checkpoint(
+                        s, model, attempt, metrics, update.groups, idempotency_key, trained_by
+                    )
+                result = TrainResult(step=attempt.step, metrics=metrics, skipped=True)  # nothing learned
+                self._commit(s, model, attempt.step, attempt, idempotency_key, result)
+                row = {"step": attempt.step, "split": update.split, "skipped": True}
+                self._record(s, _by({**row, **_prefixed(update.split, metrics)}, trained_by), update.groups)
+                return result
             except BaseException:
                 s.store.fail_attempt(attempt)  # a no-op once the step committed
                 raise
@@ -555,12 +603,12 @@ class LocalBackend:
         written = s.store.append_history({"recorded_at": time.time(), **row})
         s.trackers.log(written, groups)
 
-    async def log(
+    async def _log(
         self,
         model: ModelConfig,
-        groups: Sequence[TrajectoryGroup] | None = None,
-        split: str = "val",
-        metrics: Mapping[str, float] | None = None,
+        groups: Sequence[TrajectoryGroup] | None,
+        split: str,
+        metrics: Mapping[str, float] | None,
     ) -> dict[str, float]:
         """Record groups (e.g. an evaluation) and/or extra metrics without training: one history row.
 
@@ -589,6 +637,8 @@ class LocalBackend:
         self._record(s, {"step": step, "split": split, **_prefixed(split, out)}, groups or ())
         return out
 
+    log = LOG.implemented_by(_log)  # with the arguments' defaults as `Backend` declares them
+
     async def history(self, model: ModelConfig) -> list[dict[str, Any]]:
         return self.service(model).store.history()
 
@@ -598,7 +648,7 @@ class LocalBackend:
         return self.service(model).store.delete_checkpoints(best_checkpoint_metric)
 
     def run_dir(self, model: ModelConfig) -> Path:
-        return self.path / model.project / "models" / model.name
+        return RunLayout.of(self.path, model.project, model.name).root
 
     def check_step(self, model: ModelConfig, step: int) -> None:
         """Refuse, naming it, a step `model`'s run on disk lacks: read from its run files, so a caller

@@ -2,9 +2,10 @@
 
 One origin serves both halves: the OpenAI-compatible endpoint of every registered model
 (`/v1/chat/completions`, `/v1/responses`, `/v1/models`; requests name the model) and the Backend
-protocol under `/journeyman/v1/...` (see `remote_wire`). A `LocalBackend` does the work, so the
-server's engines, trainer and run directory are exactly those of a local run; `RemoteBackend` is
-its client.
+protocol under `/journeyman/v1/...`, one route per row of the operations table
+(`client/operations.py`, bodies in `client/wire.py`). Any `ServedBackend` does the work; with a
+`LocalBackend` the server's engines, trainer and run directory are exactly those of a local run.
+`RemoteBackend` is its client.
 
 Security (README's threat model): every route, the OpenAI ones included, needs
 `Authorization: Bearer <token>` of a scope that allows it (`tokens.py`: sample < train < admin; a
@@ -36,21 +37,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 
-from journeyman.backends.local import LocalBackend
-from journeyman.client.wire import (
-    PREFIX,
-    PROTOCOL_VERSION,
-    CapturesBody,
-    DeleteCheckpointsBody,
-    LogBody,
-    RegisterBody,
-    ServerInfo,
-    SFTBody,
-    StepBody,
-    TrainBody,
-    TrainEvent,
-)
+from journeyman.client.operations import OPERATIONS, REGISTER, Operation
+from journeyman.client.protocol import Progress, ServedBackend
+from journeyman.client.wire import PREFIX, PROTOCOL_VERSION, Registered, ServerInfo, TrainEvent, body_error
 from journeyman.data.config import ModelConfig, TrainResult
+from journeyman.data.paths import RunRoot
 from journeyman.errors import (
     BackendUnavailableError,
     BaseModelNotFoundError,
@@ -58,7 +49,6 @@ from journeyman.errors import (
     JourneymanError,
     UnknownModelError,
 )
-from journeyman.rollout.capture import CapturedCall
 from journeyman.serving.guard import (
     DEFAULT_MAX_BODY_BYTES,
     Guard,
@@ -67,7 +57,7 @@ from journeyman.serving.guard import (
     needed_scope,
     token_book,
 )
-from journeyman.serving.tokens import TOKENS_FILE, Scope, TokenBook
+from journeyman.serving.tokens import Scope, TokenBook
 
 log = logging.getLogger("journeyman.backends.server")
 
@@ -102,12 +92,7 @@ def _parse(raw: bytes, model: type[B], limit: int, gzipped: bool) -> B:
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"]) or "body"
-        inner = (err.get("ctx") or {}).get("error")
-        if isinstance(inner, InvalidFieldError):  # one of our validators: its own field, under where
-            raise InvalidFieldError(f"{where}.{inner.field}", inner.value, inner.reason) from e
-        raise InvalidFieldError(where, err.get("input"), err["msg"]) from e
+        raise body_error(e) from e
 
 
 @dataclass
@@ -143,38 +128,19 @@ class TrainJob:
                 yield (last or TrainEvent(kind="progress")).model_dump_json() + "\n"
 
 
-class ModelRouter:
-    """The OpenAI routes' view of the server: each request goes to the endpoint of the model it names."""
-
-    def __init__(self, backend: LocalBackend) -> None:
-        self.backend = backend
-
-    async def chat_completion(
-        self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
-    ) -> dict[str, Any]:
-        name = body.get("model")
-        if not isinstance(name, str) or name.split("@")[0] not in self.backend.registered():
-            raise UnknownModelError(str(name), self.served_names())
-        endpoint = self.backend.service(name.split("@")[0]).endpoint
-        return await endpoint.chat_completion(body, capture_id, response_id)
-
-    def served_names(self) -> list[str]:
-        return [n for m in self.backend.registered() for n in self.backend.service(m).endpoint.served_names()]
-
-
 class NewTokenBody(BaseModel):
     name: str = Field(description="who will hold it (letters, digits, '.', '_', '-')")
     scope: Scope = Field(description="sample < train < admin")
 
 
 def create_app(
-    backend: LocalBackend, tokens: TokenBook | str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    backend: ServedBackend, tokens: TokenBook | str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 ) -> FastAPI:
     """The server's ASGI app (wrap it in `Guard` with the same tokens to serve it; `serve` does)."""
     from journeyman.serving.endpoint import build_app
 
     book = token_book(tokens)
-    app = build_app(ModelRouter(backend))
+    app = build_app(backend)  # the OpenAI routes: each request goes to the model it names
     jobs: dict[str, TrainJob] = {}
 
     @app.exception_handler(BaseModelNotFoundError)
@@ -197,27 +163,11 @@ def create_app(
     async def failed(_: Request, e: JourneymanError) -> JSONResponse:
         return json_error(500, f"{type(e).__name__}: {e}", kind="server_error")
 
-    def model_of(name: str) -> ModelConfig:
-        if name not in backend.registered():
-            raise UnknownModelError(name, backend.registered())
-        return backend.service(name).model
-
-    async def body(request: Request, model: type[B]) -> B:
-        return await _body(request, model, max_body_bytes)
-
     @app.get(f"{PREFIX}/info")
     async def info() -> ServerInfo:
         return ServerInfo(
             journeyman=version("journeyman"), protocol=PROTOCOL_VERSION, models=backend.registered()
         )
-
-    @app.post(f"{PREFIX}/register")
-    async def register(request: Request) -> dict[str, Any]:
-        model = (await body(request, RegisterBody)).model
-        _check_registry(backend, model)  # before loading anything: a name lives in one project
-        await backend.register(model)
-        _remember(backend, model)
-        return {"run_dir": str(backend.run_dir(model))}
 
     @app.get(f"{PREFIX}/tokens")
     async def list_tokens() -> list[dict[str, Any]]:
@@ -225,7 +175,7 @@ def create_app(
 
     @app.post(f"{PREFIX}/tokens")
     async def add_token(request: Request) -> dict[str, str]:
-        req = await body(request, NewTokenBody)
+        req = await _body(request, NewTokenBody, max_body_bytes)
         secret = await asyncio.to_thread(book.add, req.name, req.scope)
         return {"name": req.name, "scope": req.scope, "token": secret}
 
@@ -235,13 +185,7 @@ def create_app(
             raise InvalidFieldError("name", name, "no token of that name")
         return {"revoked": True}
 
-    @app.get(f"{PREFIX}/models/{{name}}/step")
-    async def step(name: str) -> dict[str, int]:
-        return {"step": await backend.get_step(model_of(name))}
-
-    def start(
-        key: str, train: Callable[[Callable[[int, int], None]], Awaitable[TrainResult]]
-    ) -> StreamingResponse:
+    def start(key: str, train: Callable[[Progress], Awaitable[TrainResult]]) -> StreamingResponse:
         """The stream of the training call with idempotency key `key`: started by `train(progress)`
         unless it runs or ran already (a retry reattaches), or failed (a retry runs it again)."""
         job = jobs.get(key)
@@ -267,68 +211,55 @@ def create_app(
             job.task = asyncio.create_task(run())
         return StreamingResponse(job.stream(), media_type="application/x-ndjson")
 
-    @app.post(f"{PREFIX}/models/{{name}}/train")
-    async def train(name: str, request: Request) -> StreamingResponse:
-        model = model_of(name)
-        req = await body(request, TrainBody)
-        return start(
-            req.idempotency_key,
-            lambda progress: backend.train(
-                model,
-                req.groups,
-                req.config,
-                idempotency_key=req.idempotency_key,
-                on_progress=progress,
-                trained_by=_token_name(request),
-            ),
-        )
+    async def answer(op: Operation[Any], request: Request, name: str | None) -> Any:
+        """A Backend operation's route: the model its path names (unknown: 404, before the body is
+        read), the arguments its body holds, the method called. A training call runs as a job named
+        by its idempotency key, recording the caller's token as `trained_by`, and answers its stream."""
+        arguments: dict[str, Any] = {} if name is None else {"model": backend.registered_model(name)}
+        if op.body is not None:
+            arguments.update((await _body(request, op.body, max_body_bytes)).arguments())
+        if op is REGISTER:
+            return await _register(backend, arguments["model"])
+        if op.progress_unit is not None:
+            arguments["trained_by"] = _token_name(request)
+            return start(
+                arguments["idempotency_key"],
+                lambda progress: op.call(backend, {**arguments, "on_progress": progress}),
+            )
+        return await op.call(backend, arguments)
 
-    @app.post(f"{PREFIX}/models/{{name}}/train_sft")
-    async def train_sft(name: str, request: Request) -> StreamingResponse:
-        model = model_of(name)
-        req = await body(request, SFTBody)
-        return start(
-            req.idempotency_key,
-            lambda progress: backend.train_sft(
-                model,
-                [*req.trajectories, *req.groups],
-                req.config,
-                idempotency_key=req.idempotency_key,
-                on_progress=progress,
-                trained_by=_token_name(request),
-            ),
-        )
-
-    @app.post(f"{PREFIX}/models/{{name}}/log")
-    async def log_(name: str, request: Request) -> dict[str, float]:
-        req = await body(request, LogBody)
-        return await backend.log(model_of(name), req.groups, req.split, req.metrics)
-
-    @app.get(f"{PREFIX}/models/{{name}}/history")
-    async def history(name: str) -> list[dict[str, Any]]:
-        return await backend.history(model_of(name))
-
-    @app.post(f"{PREFIX}/models/{{name}}/captures")
-    async def captures(name: str, request: Request) -> dict[str, list[CapturedCall]]:
-        req = await body(request, CapturesBody)
-        return await backend.pop_captures(model_of(name), req.capture_ids)
-
-    @app.post(f"{PREFIX}/models/{{name}}/serve_step")
-    async def serve_step(name: str, request: Request) -> dict[str, bool]:
-        await backend.serve_step(model_of(name), (await body(request, StepBody)).step)
-        return {"ok": True}
-
-    @app.post(f"{PREFIX}/models/{{name}}/delete_checkpoints")
-    async def delete_checkpoints(name: str, request: Request) -> list[int]:
-        req = await body(request, DeleteCheckpointsBody)
-        return await backend.delete_checkpoints(model_of(name), req.best_checkpoint_metric)
-
-    @app.get(f"{PREFIX}/models/{{name}}/run_dir")
-    async def run_dir(name: str) -> dict[str, str]:
-        return {"path": str(backend.run_dir(model_of(name)))}
-
+    for op in OPERATIONS:
+        _add_route(app, op, answer)
     _document_bodies(app)
     return app
+
+
+def _add_route(
+    app: FastAPI, op: Operation[Any], answer: Callable[[Operation[Any], Request, str | None], Awaitable[Any]]
+) -> None:
+    """`op`'s route (FastAPI finds the path's `{name}` in the handler's parameters); its answer is
+    documented as the operation's response, except a training call's event stream."""
+
+    async def about_a_model(name: str, request: Request) -> Any:
+        return await answer(op, request, name)
+
+    async def top_level(request: Request) -> Any:
+        return await answer(op, request, None)
+
+    app.add_api_route(
+        PREFIX + op.path,
+        about_a_model if op.per_model else top_level,
+        methods=[op.http],
+        name=op.name,
+        response_model=None if op.progress_unit is not None else op.response,
+    )
+
+
+async def _register(backend: ServedBackend, model: ModelConfig) -> Registered:
+    _check_registry(backend, model)  # before loading anything: a name lives in one project
+    await backend.register(model)
+    _remember(backend, model)
+    return Registered(run_dir=str(backend.run_dir(model)))
 
 
 def _document_bodies(app: FastAPI) -> None:
@@ -340,14 +271,8 @@ def _document_bodies(app: FastAPI) -> None:
 
     bodies: dict[str, type[BaseModel]] = {
         "/v1/chat/completions": ChatCompletionRequest,
-        f"{PREFIX}/register": RegisterBody,
         f"{PREFIX}/tokens": NewTokenBody,
-        f"{PREFIX}/models/{{name}}/train": TrainBody,
-        f"{PREFIX}/models/{{name}}/train_sft": SFTBody,
-        f"{PREFIX}/models/{{name}}/log": LogBody,
-        f"{PREFIX}/models/{{name}}/captures": CapturesBody,
-        f"{PREFIX}/models/{{name}}/serve_step": StepBody,
-        f"{PREFIX}/models/{{name}}/delete_checkpoints": DeleteCheckpointsBody,
+        **{PREFIX + op.path: op.body for op in OPERATIONS if op.body is not None},
     }
     responses = {
         "type": "object",
@@ -387,11 +312,11 @@ def _forget_finished(jobs: dict[str, TrainJob]) -> None:
         del jobs[k]
 
 
-def _registry(backend: LocalBackend) -> Path:
-    return backend.path / "server-models.json"
+def _registry(backend: ServedBackend) -> Path:
+    return RunRoot(backend.path).server_models
 
 
-def _check_registry(backend: LocalBackend, model: ModelConfig) -> None:
+def _check_registry(backend: ServedBackend, model: ModelConfig) -> None:
     """Refuse a name the server already serves under another project (it would re-point the
     registry, orphaning the first run after a restart)."""
     path = _registry(backend)
@@ -406,7 +331,7 @@ def _check_registry(backend: LocalBackend, model: ModelConfig) -> None:
         )
 
 
-def _remember(backend: LocalBackend, model: ModelConfig) -> None:
+def _remember(backend: ServedBackend, model: ModelConfig) -> None:
     """Models the server serves, kept on disk so a restarted server serves them again unasked."""
     path = _registry(backend)
     known = json.loads(path.read_text()) if path.exists() else {}
@@ -417,7 +342,7 @@ def _remember(backend: LocalBackend, model: ModelConfig) -> None:
     os.replace(tmp, path)
 
 
-async def restore(backend: LocalBackend) -> list[str]:
+async def restore(backend: ServedBackend) -> list[str]:
     """Register every model the server served before it stopped (each resumes its run directory)."""
     path = _registry(backend)
     known = json.loads(path.read_text()) if path.exists() else {}
@@ -427,7 +352,7 @@ async def restore(backend: LocalBackend) -> list[str]:
 
 
 def serve(
-    backend: LocalBackend,
+    backend: ServedBackend,
     token: str,
     *,
     host: str = "127.0.0.1",
@@ -446,7 +371,7 @@ def serve(
 
     if (ssl_certfile is None) != (ssl_keyfile is None):
         raise InvalidFieldError("ssl_keyfile", ssl_keyfile, "TLS needs both a certificate and its key")
-    book = TokenBook(backend.path / TOKENS_FILE, admin_secret=token)
+    book = TokenBook(RunRoot(backend.path).tokens, admin_secret=token)
     app = Guard(create_app(backend, book, max_body_bytes=max_body_bytes), book, max_body_bytes)
     config = uvicorn.Config(
         app,
@@ -535,7 +460,6 @@ __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "Guard",
     "HeaderTimeoutH11",
-    "ModelRouter",
     "ServerProcess",
     "create_app",
     "needed_scope",

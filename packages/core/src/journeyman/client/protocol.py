@@ -15,7 +15,7 @@ other threads keeps its own state safe. Models are addressed by name (the `Model
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -34,6 +34,10 @@ request from the engine's queue, rather than the client giving up on its own and
 the abandoned request still takes batch time."""
 CLIENT_TIMEOUT_S = REQUEST_TIMEOUT_S + 60.0
 """What a client of an endpoint waits for an answer (see REQUEST_TIMEOUT_S)."""
+
+
+Progress = Callable[[int, int], None]
+"""`on_progress(done, total)`: how far a training step has come."""
 
 
 class Inference(BaseModel):
@@ -67,10 +71,14 @@ class Backend(Protocol):
         config: TrainConfig | None = None,
         *,
         idempotency_key: str | None = None,
+        on_progress: Progress | None = None,
+        trained_by: str | None = None,
     ) -> TrainResult:
         """One training step on `groups`; the endpoint serves the new step when this returns.
 
-        A call repeating the `idempotency_key` of a completed step returns that step's result."""
+        A call repeating the `idempotency_key` of a completed step returns that step's result.
+        `on_progress(done, total)` follows the step (micro-batches); `trained_by`, who asked (an API
+        token's name), goes into the step's history row: a server sets it to the caller's token."""
         ...
 
     async def train_sft(
@@ -80,9 +88,12 @@ class Backend(Protocol):
         config: SFTConfig | None = None,
         *,
         idempotency_key: str | None = None,
+        on_progress: Progress | None = None,
+        trained_by: str | None = None,
     ) -> TrainResult:
         """Supervised fine-tuning on `trajectories`: one step of the same run, checkpoint and
-        history as `train`, so RL continues from it. Idempotency keys work as for `train`."""
+        history as `train`, so RL continues from it. The keyword arguments work as for `train`
+        (`on_progress` counts optimizer steps)."""
         ...
 
     async def log(
@@ -124,6 +135,45 @@ class Backend(Protocol):
         ...
 
 
+@runtime_checkable
+class ServedBackend(Backend, Protocol):
+    """A Backend that `journeyman serve` can put on the network: besides the Backend, its models by
+    name and their OpenAI endpoint, which the server answers on its own origin. `LocalBackend` is one.
+
+    The server calls the Backend's methods as the operations table says (`client/operations.py`),
+    passing `trained_by` (the caller's token name) and `on_progress` to the training calls."""
+
+    path: Path
+    """Where the server keeps its own files (the models it serves, its tokens)."""
+
+    def registered(self) -> list[str]:
+        """Names of the models served, in order of registration."""
+        ...
+
+    def registered_model(self, name: str) -> ModelConfig:
+        """The config the model `name` is served with (`UnknownModelError` when none is)."""
+        ...
+
+    async def chat_completion(
+        self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
+    ) -> dict[str, Any]:
+        """Answer an OpenAI chat completion request on the endpoint of the model it names."""
+        ...
+
+    def served_names(self) -> list[str]:
+        """Every model name the OpenAI routes answer to (each model's, and `name@step`)."""
+        ...
+
+
+def named_or_latest(model_name: str | None, registered: Sequence[str]) -> str:
+    """`model_name`, or when None the model registered last (what `inference()` serves by default)."""
+    if model_name is not None:
+        return model_name
+    if not registered:
+        raise InvalidFieldError("model", None, "no model is registered with this backend")
+    return registered[-1]
+
+
 # The backend the latest `register` in this context used: `judge="local"` and other "the model I am
 # training" lookups find their endpoint through it. A ContextVar, so concurrent programs (tests, two
 # trainers in one process) each see their own.
@@ -142,4 +192,13 @@ def current_backend(field: str = "backend") -> Backend:
     return backend
 
 
-__all__ = ["CLIENT_TIMEOUT_S", "REQUEST_TIMEOUT_S", "Backend", "Inference", "current_backend"]
+__all__ = [
+    "CLIENT_TIMEOUT_S",
+    "REQUEST_TIMEOUT_S",
+    "Backend",
+    "Inference",
+    "Progress",
+    "ServedBackend",
+    "current_backend",
+    "named_or_latest",
+]

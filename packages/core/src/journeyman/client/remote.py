@@ -17,33 +17,27 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-import uuid
-from collections.abc import Iterable, Mapping, Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, TypeAdapter
 
-from journeyman.client.protocol import Inference
-from journeyman.client.wire import (
-    PREFIX,
-    PROTOCOL_VERSION,
-    CapturesBody,
-    DeleteCheckpointsBody,
-    LogBody,
-    RegisterBody,
-    ServerInfo,
-    SFTBody,
-    StepBody,
-    TrainBody,
-    TrainEvent,
-    gzip_json,
+from journeyman.client.operations import (
+    DELETE_CHECKPOINTS,
+    GET_STEP,
+    HISTORY,
+    LOG,
+    POP_CAPTURES,
+    REGISTER,
+    SERVE_STEP,
+    TRAIN,
+    TRAIN_SFT,
+    Operation,
 )
-from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainResult, check_name
-from journeyman.data.trajectory_file import check_trajectories
-from journeyman.data.types import Trajectory, TrajectoryGroup
+from journeyman.client.protocol import Inference, Progress, named_or_latest
+from journeyman.client.wire import PREFIX, PROTOCOL_VERSION, Registered, ServerInfo, TrainEvent, gzip_json
+from journeyman.data.config import ModelConfig, TrainResult
 from journeyman.errors import (
     AuthenticationError,
     BackendUnavailableError,
@@ -52,9 +46,6 @@ from journeyman.errors import (
     RemoteError,
     UnknownModelError,
 )
-from journeyman.rollout.capture import CapturedCall
-
-_CAPTURES = TypeAdapter(dict[str, list[CapturedCall]])
 
 
 class _Shown:
@@ -121,35 +112,6 @@ class RemoteBackend:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        body: BaseModel | None = None,
-        *,
-        compress: bool = False,
-        idempotent: bool = True,
-    ) -> Any:
-        if not self._checked:
-            await self._check_server()
-        headers = {"content-type": "application/json"}
-        content: bytes | None = None
-        if body is not None:
-            if compress:
-                content = gzip_json(body)
-                headers["content-encoding"] = "gzip"
-                self.sent_bytes += len(content)
-            else:
-                content = body.model_dump_json().encode()
-
-        async def attempt() -> httpx.Response:
-            async with self._client() as c:
-                return await c.request(method, path, content=content, headers=headers)
-
-        response = await self._retrying(attempt, any_failure=idempotent)
-        self._raise_for(response)
-        return response.json()
-
     def _raise_for(self, r: httpx.Response) -> None:
         if r.status_code < 400:
             return
@@ -191,72 +153,62 @@ class RemoteBackend:
 
     # -- the Backend protocol ------------------------------------------------------------------
 
-    async def register(self, model: ModelConfig) -> None:
-        config = ModelConfig.model_validate(model.model_dump())
-        out = await self._call("POST", f"{PREFIX}/register", RegisterBody(model=config))
-        self._run_dirs[model.name] = Path(out["run_dir"])
-
-    def inference(self, model_name: str | None = None) -> Inference:
-        if model_name is None:
-            if not self._run_dirs:
-                raise InvalidFieldError("model", None, "no model is registered with this backend")
-            model_name = next(reversed(self._run_dirs))
-        return Inference(base_url=f"{self.url}/v1", api_key=self._token, model=model_name)
-
-    async def get_step(self, model: ModelConfig) -> int:
-        return int((await self._call("GET", f"{PREFIX}/models/{model.name}/step"))["step"])
-
-    async def train(
-        self,
-        model: ModelConfig,
-        groups: Sequence[TrajectoryGroup],
-        config: TrainConfig | None = None,
-        *,
-        idempotency_key: str | None = None,
-    ) -> TrainResult:
-        """One step on the server; progress streams into a bar here. Reattaches after a dropped
-        connection or a server restart with the same idempotency key, so the step happens once."""
-        key = check_name("idempotency_key", idempotency_key or uuid.uuid4().hex)
-        body = TrainBody(groups=list(groups), config=config, idempotency_key=key)
-        return await self._step(
-            f"{PREFIX}/models/{model.name}/train", body, f"train {model.name}", "micro-batch"
-        )
-
-    async def train_sft(
-        self,
-        model: ModelConfig,
-        trajectories: Iterable[Trajectory | TrajectoryGroup],
-        config: SFTConfig | None = None,
-        *,
-        idempotency_key: str | None = None,
-    ) -> TrainResult:
-        """Supervised fine-tuning on the server, streamed and retried like `train`."""
-        items, _ = check_trajectories(trajectories)
-        key = check_name("idempotency_key", idempotency_key or uuid.uuid4().hex)
-        body = SFTBody(
-            trajectories=[t for t in items if isinstance(t, Trajectory)],
-            groups=[g for g in items if isinstance(g, TrajectoryGroup)],
-            config=config,
-            idempotency_key=key,
-        )
-        return await self._step(f"{PREFIX}/models/{model.name}/train_sft", body, f"sft {model.name}", "step")
-
-    async def _step(self, path: str, body: BaseModel, desc: str, unit: str) -> TrainResult:
-        """POST a training call and follow its event stream to the result (see `remote_wire`)."""
-        from tqdm.auto import tqdm
-
+    async def _send(self, op: Operation[Any], arguments: dict[str, Any]) -> Any:
+        """One Backend call on the server (`arguments` as the protocol names them): its body sent,
+        retried as the operation allows, its answer read as the method returns it."""
+        if arguments.get("trained_by") is not None:
+            raise InvalidFieldError(
+                "trained_by",
+                arguments["trained_by"],
+                "the server records the name of the token that calls it",
+            )
+        body = op.body.of(arguments) if op.body is not None else None  # a bad argument fails here, named
         if not self._checked:
             await self._check_server()
-        content = gzip_json(body)
-        self.sent_bytes += len(content)
-        headers = {"content-type": "application/json", "content-encoding": "gzip"}
+        headers = {"content-type": "application/json"}
+        content: bytes | None = None
+        if body is not None and op.gzip:
+            content = gzip_json(body)
+            headers["content-encoding"] = "gzip"
+            self.sent_bytes += len(content)
+        elif body is not None:
+            content = body.model_dump_json().encode()
+        url = op.url(arguments["model"].name)
+        if op.progress_unit is not None:
+            desc = f"{op.name} {arguments['model'].name}"
+            return await self._follow(
+                url, content, headers, desc, op.progress_unit, arguments.get("on_progress")
+            )
+
+        async def attempt() -> httpx.Response:
+            async with self._client() as c:
+                return await c.request(op.http, url, content=content, headers=headers)
+
+        response = await self._retrying(attempt, any_failure=op.idempotent)
+        self._raise_for(response)
+        return op.answer(response.json())
+
+    async def _follow(
+        self,
+        url: str,
+        content: bytes | None,
+        headers: dict[str, str],
+        desc: str,
+        unit: str,
+        on_progress: Progress | None,
+    ) -> TrainResult:
+        """POST a training call and follow its event stream to the result, into a progress bar and
+        `on_progress`. A dropped connection or a server restart is retried with the same body, and so
+        the same idempotency key: the client reattaches to the step, which happens once."""
+        from tqdm.auto import tqdm
+
         bar = tqdm(desc=desc, unit=unit, disable=not self.progress, leave=False)
 
         async def attempt() -> TrainResult:
             # The server sends an event at least every 15 s while a step runs: a silent minute is a dead link.
             async with (
                 self._client(read_timeout=60.0) as c,
-                c.stream("POST", path, content=content, headers=headers) as r,
+                c.stream("POST", url, content=content, headers=headers) as r,
             ):
                 if r.status_code >= 400:
                     await r.aread()
@@ -269,6 +221,8 @@ class RemoteBackend:
                         bar.total = event.total or None
                         bar.n = event.done
                         bar.refresh()
+                        if on_progress is not None:
+                            on_progress(event.done, event.total)
                     elif event.kind == "result" and event.result is not None:
                         return event.result
                     else:
@@ -287,51 +241,30 @@ class RemoteBackend:
         finally:
             bar.close()
 
-    async def log(
-        self,
-        model: ModelConfig,
-        groups: Sequence[TrajectoryGroup] | None = None,
-        split: str = "val",
-        metrics: Mapping[str, float] | None = None,
-    ) -> dict[str, float]:
-        body = LogBody(
-            groups=list(groups) if groups is not None else None, split=split, metrics=dict(metrics or {})
-        )
-        return await self._call(
-            "POST", f"{PREFIX}/models/{model.name}/log", body, compress=True, idempotent=False
-        )
+    async def register(self, model: ModelConfig) -> None:
+        registered: Registered = await self._send(REGISTER, {"model": model})
+        self._run_dirs[model.name] = Path(registered.run_dir)
 
-    async def history(self, model: ModelConfig) -> list[dict[str, Any]]:
-        return await self._call("GET", f"{PREFIX}/models/{model.name}/history")
+    def inference(self, model_name: str | None = None) -> Inference:
+        model_name = named_or_latest(model_name, list(self._run_dirs))
+        return Inference(base_url=f"{self.url}/v1", api_key=self._token, model=model_name)
 
-    async def pop_captures(
-        self, model: ModelConfig, capture_ids: Sequence[str]
-    ) -> dict[str, list[CapturedCall]]:
-        out = await self._call(
-            "POST",
-            f"{PREFIX}/models/{model.name}/captures",
-            CapturesBody(capture_ids=list(capture_ids)),
-            idempotent=False,
-        )
-        return _CAPTURES.validate_python(out)
-
-    async def serve_step(self, model: ModelConfig, step: int) -> None:
-        await self._call("POST", f"{PREFIX}/models/{model.name}/serve_step", StepBody(step=step))
-
-    async def delete_checkpoints(
-        self, model: ModelConfig, best_checkpoint_metric: str = "val/reward"
-    ) -> list[int]:
-        body = DeleteCheckpointsBody(best_checkpoint_metric=best_checkpoint_metric)
-        return await self._call(
-            "POST", f"{PREFIX}/models/{model.name}/delete_checkpoints", body, idempotent=False
-        )
+    # The rest of the protocol, made from the operations table: each sends its arguments to the server.
+    get_step = GET_STEP.forwarded_to(_send)
+    train = TRAIN.forwarded_to(_send)
+    train_sft = TRAIN_SFT.forwarded_to(_send)
+    log = LOG.forwarded_to(_send)
+    history = HISTORY.forwarded_to(_send)
+    pop_captures = POP_CAPTURES.forwarded_to(_send)
+    serve_step = SERVE_STEP.forwarded_to(_send)
+    delete_checkpoints = DELETE_CHECKPOINTS.forwarded_to(_send)
 
     def run_dir(self, model: ModelConfig) -> Path:
         """The run directory on the server's machine (as the server reported it at registration)."""
         try:
             return self._run_dirs[model.name]
         except KeyError:
-            raise InvalidFieldError("model", model.name, "is not registered with this backend") from None
+            raise UnknownModelError(model.name, sorted(self._run_dirs)) from None
 
     def close(self) -> None:
         """Nothing to release: every call opens and closes its own connection."""

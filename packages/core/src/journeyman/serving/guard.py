@@ -13,6 +13,7 @@ import h11
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from journeyman.client.operations import OPERATIONS
 from journeyman.client.wire import PREFIX
 from journeyman.serving.tokens import Scope, TokenBook, allows
 
@@ -33,22 +34,12 @@ def json_error(
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 
-# What each route needs (scopes nest: sample < train < admin). Backend routes by their last path
-# segment; the OpenAI routes, `info` and the docs need `sample`; anything unlisted needs `admin`.
-ROUTE_SCOPES: dict[str, Scope] = {
-    "info": "sample",
-    "step": "sample",
-    "history": "sample",
-    "run_dir": "sample",
-    "captures": "sample",
-    "register": "train",
-    "train": "train",
-    "train_sft": "train",
-    "log": "train",
-    "serve_step": "train",
-    "delete_checkpoints": "admin",
-    "tokens": "admin",
-}
+# What each route needs (scopes nest: sample < train < admin), by the last segment of its path: the
+# Backend operations' as their table says; `info` needs `sample`, token admin `admin`, as do routes
+# nobody listed. The OpenAI routes and the docs need `sample`.
+ROUTE_SCOPES: dict[str, Scope] = {op.route: op.scope for op in OPERATIONS}
+ROUTE_SCOPES.update(info="sample", tokens="admin")
+_TOP_LEVEL = {"info", "tokens"} | {op.route for op in OPERATIONS if not op.per_model}  # not under models/
 
 
 def needed_scope(path: str) -> Scope:
@@ -56,7 +47,7 @@ def needed_scope(path: str) -> Scope:
     if not path.startswith(PREFIX + "/"):
         return "sample"  # the OpenAI routes, /docs, /openapi.json
     parts = path[len(PREFIX) + 1 :].split("/")
-    op = parts[0] if parts[0] in ("info", "register", "tokens") else parts[-1]
+    op = parts[0] if parts[0] in _TOP_LEVEL else parts[-1]
     return ROUTE_SCOPES.get(op, "admin")
 
 
