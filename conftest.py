@@ -1,16 +1,30 @@
-"""Fixtures shared by every package's tests: one registered default model per session."""
+"""Fixtures shared by every package's tests: one registered default model per session, the
+embedded chat format, scripted models served through the real endpoint (no weights), and
+`journeyman serve` in a child process. Plain helpers and data live in tests/_support.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import AsyncIterator
+import secrets
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 # Converted weights are cached per machine; tests never download anything.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# tests/_support.py, importable by every package's tests as `_support`
+sys.path.insert(0, str(Path(__file__).parent / "tests"))
+
+if TYPE_CHECKING:
+    import journeyman as jm
+    from _support import ScriptedBackend
+    from journeyman.backends.server import ServerProcess
+    from journeyman.chat.formats import ChatFormat
 
 
 # Seconds each long file took in a fresh-clone run on the 2-core CI machine (pytest --durations and
@@ -27,6 +41,7 @@ FILE_SECONDS = {
     "packages/mcp/tests/test_win_rate.py": 79,
     "packages/core/tests/test_learning.py": 72,
     "packages/core/tests/test_endpoint.py": 58,
+    "packages/core/tests/test_backend_contract.py": 60,  # new: estimated (a model and a server start)
     "packages/agents-sdk/tests/test_agents_sdk.py": 54,
     "packages/core/tests/test_remote.py": 50,
     "packages/core/tests/test_families.py": 41,
@@ -70,3 +85,53 @@ async def served(run_root: Path) -> AsyncIterator[tuple[object, object]]:
     await model.register(backend)
     yield model, backend
     backend.close()
+
+
+@pytest.fixture(scope="session")
+def chat_format() -> ChatFormat:
+    """The embedded model's chat format, from its tokenizer files alone."""
+    from _support import embedded_chat_format
+
+    return embedded_chat_format()
+
+
+@pytest.fixture(scope="module")
+async def scripted_module(
+    chat_format: ChatFormat, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[jm.TrainableModel, ScriptedBackend]]:
+    """The `ScriptedBackend` behind `scripted`, one per test module."""
+    import journeyman as jm
+    from _support import ScriptedBackend
+
+    backend = ScriptedBackend(chat_format, path=tmp_path_factory.mktemp("scripted-runs"))
+    model = jm.TrainableModel(name="scripted", project="tests")
+    # in a task of its own: registering makes a backend the current one (judge="local" and the like)
+    # in its context, and the tests beside this fixture keep the one they had
+    await asyncio.create_task(model.register(backend))
+    yield model, backend
+    backend.close()
+
+
+@pytest.fixture
+def scripted(
+    scripted_module: tuple[jm.TrainableModel, ScriptedBackend],
+) -> Iterator[tuple[jm.TrainableModel, ScriptedBackend]]:
+    """(model, backend): a model registered on a `ScriptedBackend`, served through the real endpoint
+    and answering "OK" until a test sets `backend.engine(model).script`; the script, the engine's
+    delay and the endpoint's timeout are put back after each test."""
+    model, backend = scripted_module
+    engine, endpoint = backend.engine(model), backend.endpoint(model)
+    saved = engine.script, engine.delay_s, endpoint.request_timeout_s
+    yield model, backend
+    engine.script, engine.delay_s, endpoint.request_timeout_s = saved
+
+
+@pytest.fixture(scope="module")
+def remote_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """`journeyman serve` in a child process with its own run directory and a random token
+    (`.token`, `.url`, `.path`); killed after the module's tests."""
+    from journeyman.backends.server import ServerProcess
+
+    server = ServerProcess(tmp_path_factory.mktemp("serve"), secrets.token_urlsafe(24)).start()
+    yield server
+    server.kill()

@@ -37,21 +37,12 @@ from pathlib import Path
 import journeyman as jm
 from pydantic import BaseModel
 
+# tests/_support.py: the tool the endpoint tests use too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _support import weather_tools
+
 CITIES = ["Oslo", "Lima", "Cairo", "Perth", "Quito", "Seoul", "Turin", "Dakar"]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+TOOLS = weather_tools()
 
 
 class SoakReport(BaseModel):

@@ -6,25 +6,13 @@ import json
 import time
 
 import pytest
+from _support import weather_tools
 from journeyman.chat.formats import SampledTurns
 from journeyman.chat.messages import normalize_messages
 from journeyman.errors import InvalidFieldError
 from journeyman.rollout.capture import CapturedCall, Captures
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+TOOLS = weather_tools()
 CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 

@@ -1,88 +1,59 @@
-"""The OpenAI-compatible endpoint on the real embedded model: records, tools, batching, errors."""
+"""The OpenAI-compatible endpoint: token-exact records, batching and sampling on the real embedded
+model; the endpoint's own mechanics (validation, errors, streaming, captures, the Responses route)
+on a scripted engine (`engine/scripted.py`), which needs no weights."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import httpx
 import journeyman as jm
 import openai
 import pytest
+from _support import few_shot, tool_round_trip, weather_tools
 from journeyman.training.rows import trajectory_rows
 
 pytestmark = pytest.mark.integration
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
-# One worked example makes the 135M model imitate the tool-call format.
-FEW_SHOT = [
-    {"role": "system", "content": "You answer weather questions. Always call get_weather first."},
-    {"role": "user", "content": "What's the weather in Rome?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "c0",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "c0", "content": "18C, cloudy"},
-    {"role": "assistant", "content": "It is 18C and cloudy in Rome."},
-    {"role": "user", "content": "What's the weather in Paris?"},
-]
+TOOLS = weather_tools()
+FEW_SHOT = few_shot()
 
 
-async def test_three_turn_tool_trajectory_is_token_exact(served) -> None:
-    model, backend = served
-    client = model.openai_client()
-    # The 135M model rarely calls a tool on its own; tool_choice="required" constrains decoding to
-    # a well-formed call of a listed tool, which is how agents use small models.
-    first = await client.chat.completions.create(
-        model=model.name,
-        messages=FEW_SHOT,
-        tools=TOOLS,
-        tool_choice="required",
-        seed=7,
-        temperature=0.7,
-        max_tokens=60,
-    )
-    call = first.choices[0]
-    assert call.finish_reason == "tool_calls", call.message.content
-    traj = jm.Trajectory(messages_and_choices=[*FEW_SHOT, call], tools=TOOLS)
-    tool_call = call.message.tool_calls[0]
-    traj.messages_and_choices.append({"role": "tool", "tool_call_id": tool_call.id, "content": "21C, sunny"})
-    second = await client.chat.completions.create(
-        model=model.name, messages=traj.messages(), tools=TOOLS, temperature=0, max_tokens=30
-    )
-    traj.messages_and_choices.append(second.choices[0])
-
+@pytest.fixture(scope="module")
+async def three_turn(served) -> dict[str, Any]:
+    """A forced tool call, the tool's answer, a free answer: one trajectory on the real model."""
+    call, answer, traj = await tool_round_trip(served[0])
     rec1, rec2 = traj.records()
+    return {"call": call, "answer": answer, "rec1": rec1, "rec2": rec2, "served": served}
+
+
+def test_a_forced_tool_call_parses_back_from_its_sampled_ids(three_turn) -> None:
+    call, rec1 = three_turn["call"], three_turn["rec1"]
+    model, backend = three_turn["served"]
     fmt = backend.service(model).chat_format
-    tok = fmt.tokenizer
-    # the sampled ids decode to exactly what the assistant said
+    assert call.finish_reason == "tool_calls", call.message.content
     turn = fmt.parse(fmt.completion_text(rec1.token_ids))
     assert turn.content == call.message.content
+    tool_call = call.message.tool_calls[0]
     assert [(c["name"], json.loads(c["arguments"])) for c in turn.tool_calls] == [
         (tool_call.function.name, json.loads(tool_call.function.arguments))
     ]
-    assert tok.decode(rec2.token_ids, skip_special_tokens=True) == second.choices[0].message.content
-    # the second call's prompt holds the first call's sampled ids verbatim (spliced, not re-rendered)
+
+
+def test_a_free_answer_decodes_to_its_content(three_turn) -> None:
+    model, backend = three_turn["served"]
+    tok = backend.service(model).chat_format.tokenizer
+    answer = three_turn["answer"].message.content
+    assert tok.decode(three_turn["rec2"].token_ids, skip_special_tokens=True) == answer
+
+
+def test_the_next_prompt_holds_the_sampled_turn_verbatim(three_turn) -> None:
+    """Spliced, not re-rendered: the first call's prompt and sampled ids open the second's prompt."""
+    rec1, rec2 = three_turn["rec1"], three_turn["rec2"]
+    model, backend = three_turn["served"]
+    fmt = backend.service(model).chat_format
     assert rec2.spliced_turns >= 1
     start = len(rec1.prompt_token_ids)
     assert rec2.prompt_token_ids[:start] == rec1.prompt_token_ids
@@ -93,9 +64,14 @@ async def test_three_turn_tool_trajectory_is_token_exact(served) -> None:
     assert spliced == sampled or (
         sampled[-1] in fmt.stop_ids and spliced[:-1] == sampled[:-1] and spliced[-1] in fmt.stop_ids
     )
-    # logprobs recompute, teacher-forced through the same weights, within 1e-3 (fp32)
-    for rec in (rec1, rec2):
-        again = backend.service(model).policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids)
+
+
+def test_recorded_logprobs_are_the_trainers_within_1e_3(three_turn) -> None:
+    """Teacher-forced through the same weights (fp32), each record's logprobs come back."""
+    model, backend = three_turn["served"]
+    policy = backend.service(model).policy
+    for rec in (three_turn["rec1"], three_turn["rec2"]):
+        again = policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids)
         assert max(abs(a - b) for a, b in zip(again, rec.logprobs, strict=True)) < 1e-3
 
 
@@ -119,81 +95,196 @@ async def test_32_concurrent_requests_are_batched(served) -> None:
     assert engine.batches - batches_before < 16  # many requests per forward pass, not one each
 
 
-async def test_sampling_options(served) -> None:
+POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+async def test_a_seed_reproduces_its_sample(served) -> None:
     model, _ = served
     client = model.openai_client()
-    msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
     a, b = [
         await client.chat.completions.create(
-            model=model.name, messages=msgs, max_tokens=12, seed=3, top_p=0.9
+            model=model.name, messages=POEM, max_tokens=12, seed=3, top_p=0.9
         )
         for _ in range(2)
     ]
-    assert jm.record_of(a.choices[0]).token_ids == jm.record_of(b.choices[0]).token_ids  # seed reproduces
-    lp = await client.chat.completions.create(
-        model=model.name, messages=msgs, max_tokens=5, logprobs=True, top_logprobs=3, max_completion_tokens=5
-    )
-    content = lp.choices[0].logprobs.content
-    assert len(content) == 5 and len(content[0].top_logprobs) == 3
-    assert content[0].logprob == pytest.approx(jm.record_of(lp.choices[0]).logprobs[0])
-    stopped = await client.chat.completions.create(
-        model=model.name, messages=msgs, max_tokens=40, temperature=0, stop=["\n", "."]
+    assert jm.record_of(a.choices[0]).token_ids == jm.record_of(b.choices[0]).token_ids
+
+
+async def test_a_stop_string_ends_the_completion_before_it(served) -> None:
+    model, _ = served
+    stopped = await model.openai_client().chat.completions.create(
+        model=model.name, messages=POEM, max_tokens=40, temperature=0, stop=["\n", "."]
     )
     assert "." not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
-    stream = await client.chat.completions.create(
-        model=model.name, messages=msgs, max_tokens=10, temperature=0, stream=True
-    )
-    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-    greedy = await client.chat.completions.create(
-        model=model.name, messages=msgs, max_tokens=10, temperature=0
-    )
-    assert text == greedy.choices[0].message.content
-    listed = await client.models.list()
-    assert model.name in [m.id for m in listed.data]
 
 
-async def test_bad_requests_name_the_field(served) -> None:
+async def test_a_named_tool_choice_forces_that_tool(served) -> None:
+    model, _ = served
+    tools = [*TOOLS, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    forced = await model.openai_client().chat.completions.create(
+        model=model.name,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=1.0,
+        seed=3,
+        max_tokens=40,
+    )
+    assert forced.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in forced.choices[0].message.tool_calls] == ["get_time"]
+
+
+async def test_a_forced_call_cut_by_max_tokens_is_length_and_its_tokens_still_train(served) -> None:
+    """No half-parsed call: the text stays content, the turn is "length", its ids train."""
     model, backend = served
+    cut = await model.openai_client().chat.completions.create(
+        model=model.name,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=6,
+        extra_body={"store": True, "frobnicate": {"x": 1}},  # unknown fields: ignored, as vLLM does
+    )
+    (choice,) = cut.choices
+    assert choice.finish_reason == "length" and not choice.message.tool_calls, choice
+    record = jm.record_of(choice)
+    assert len(record.token_ids) == 6 and record.finish_reason == "length"
+    traj = jm.Trajectory(messages_and_choices=[{"role": "user", "content": "Weather in Oslo?"}, choice])
+    (row,) = trajectory_rows(traj, backend.service(model).chat_format, advantage=1.0)
+    assert row.input_ids[-6:] == record.token_ids and row.trained[-6:] == [True] * 6
+
+
+# -- the endpoint's own mechanics, on a scripted engine ------------------------------------------
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _echo(call) -> str:
+    """A reply that is a function of the prompt: the same prompt, the same answer, on any route."""
+    return f"Seen {len(call.prompt_ids)} tokens, ending {call.prompt_ids[-3:]}."
+
+
+async def test_a_scripted_reply_is_recorded_with_its_exact_ids(scripted, chat_format) -> None:
+    model, backend = scripted
+    backend.engine(model).script = ["Blue, mostly."]
+    r = await model.openai_client().chat.completions.create(model=model.name, messages=HI)
+    record = jm.record_of(r.choices[0])
+    assert r.choices[0].message.content == "Blue, mostly." and r.choices[0].finish_reason == "stop"
+    assert record.prompt_token_ids == chat_format.prompt_ids(HI)[0]
+    assert record.token_ids == [*chat_format.encode("Blue, mostly."), backend.engine(model).end_id]
+    assert record.logprobs == backend.engine(model).logprob_fn(record.prompt_token_ids, record.token_ids)
+
+
+async def test_a_scripted_engine_replies_with_exact_ids_and_refuses_work_once_closed(chat_format) -> None:
+    from journeyman.engine.base import SamplingParams
+    from journeyman.engine.scripted import ScriptedEngine
+
+    engine = ScriptedEngine(chat_format, [[11, 12, chat_format.eos_id, 13]])
+    (sample,) = await engine.generate([1, 2, 3], SamplingParams(max_tokens=8))
+    assert sample.token_ids == [11, 12, chat_format.eos_id] and sample.finish_reason == "stop"  # a real stop
+    assert engine.requests == [([1, 2, 3], SamplingParams(max_tokens=8))]
+    engine.close()
+    assert not engine.alive
+    with pytest.raises(jm.EngineDownError):
+        await engine.generate([1], SamplingParams())
+
+
+async def test_n_max_tokens_and_seed_reach_the_engine(scripted) -> None:
+    model, backend = scripted
+    backend.engine(model).script = ["One two three four five six.", "Seven."]
     client = model.openai_client()
-    msgs = [{"role": "user", "content": "hi"}]
+    both = await client.chat.completions.create(model=model.name, messages=HI, n=2, seed=0)
+    assert [c.message.content for c in both.choices] == ["One two three four five six.", "Seven."]
+    cut = await client.chat.completions.create(model=model.name, messages=HI, max_tokens=2, seed=0)
+    assert cut.choices[0].finish_reason == "length" and len(jm.record_of(cut.choices[0]).token_ids) == 2
+    stopped = await client.chat.completions.create(model=model.name, messages=HI, stop=[" three"], seed=0)
+    assert stopped.choices[0].message.content == "One two" and stopped.choices[0].finish_reason == "stop"
+
+
+async def test_logprobs_hold_the_asked_alternatives_and_the_records_numbers(scripted) -> None:
+    model, _ = scripted
+    lp = await model.openai_client().chat.completions.create(
+        model=model.name, messages=POEM, max_tokens=5, logprobs=True, top_logprobs=3, max_completion_tokens=5
+    )
+    content = lp.choices[0].logprobs.content
+    record = jm.record_of(lp.choices[0])
+    assert len(content) == len(record.token_ids) and len(content[0].top_logprobs) == 3
+    assert content[0].logprob == pytest.approx(record.logprobs[0])
+
+
+async def test_a_stream_says_what_the_same_request_unstreamed_says(scripted) -> None:
+    model, backend = scripted
+    backend.engine(model).script = _echo
+    client = model.openai_client()
+    stream = await client.chat.completions.create(model=model.name, messages=POEM, stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    whole = await client.chat.completions.create(model=model.name, messages=POEM)
+    assert text == whole.choices[0].message.content
+
+
+async def test_the_model_is_listed_by_name_and_step(scripted) -> None:
+    model, _ = scripted
+    listed = await model.openai_client().models.list()
+    assert [m.id for m in listed.data] == [model.name, f"{model.name}@0"]
+
+
+async def test_an_unknown_model_is_a_404_naming_it(scripted) -> None:
+    model, _ = scripted
     with pytest.raises(openai.NotFoundError) as e:
-        await client.chat.completions.create(model="no-such-model", messages=msgs)
+        await model.openai_client().chat.completions.create(model="no-such-model", messages=HI)
     assert "no-such-model" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"n": 0}, "n"), ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role")],
+    ids=["n", "role"],
+)
+async def test_a_bad_field_is_a_400_naming_it(scripted, fields: dict[str, Any], param: str) -> None:
+    model, _ = scripted
     with pytest.raises(openai.BadRequestError) as e:
-        await client.chat.completions.create(model=model.name, messages=msgs, n=0)
-    assert e.value.body["param"] == "n"
-    with pytest.raises(openai.BadRequestError) as e:
-        await client.chat.completions.create(model=model.name, messages=[{"role": "robot", "content": "x"}])
-    assert e.value.body["param"] == "messages[0].role"
+        await model.openai_client().chat.completions.create(**{"model": model.name, "messages": HI, **fields})
+    assert e.value.body["param"] == param
+
+
+async def test_a_body_that_is_not_json_or_lacks_messages_is_a_400(scripted) -> None:
+    model, _ = scripted
     async with _http(model) as http:  # the endpoint's door wants its token
         r = await http.post("/chat/completions", content=b"{not json")
         assert r.status_code == 400
         r = await http.post("/chat/completions", json={"model": model.name})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    # past the context (8192 tokens): a 400 naming the lengths, at once, before the engine
+
+
+async def test_a_prompt_past_the_context_is_refused_before_the_engine(scripted) -> None:
+    model, backend = scripted
+    asked = len(backend.engine(model).requests)
     with pytest.raises(openai.BadRequestError) as e:
-        await client.chat.completions.create(
+        await model.openai_client().chat.completions.create(
             model=model.name, messages=[{"role": "user", "content": "word " * 40_000}], max_tokens=4
         )
     assert e.value.body["param"] == "messages" and "8192-token context" in e.value.body["message"]
+    assert len(backend.engine(model).requests) == asked
+
+
+async def test_max_tokens_past_the_context_names_what_fits(scripted) -> None:
+    model, _ = scripted
     with pytest.raises(openai.BadRequestError) as e:
-        await client.chat.completions.create(model=model.name, messages=msgs, max_tokens=9000)
+        await model.openai_client().chat.completions.create(model=model.name, messages=HI, max_tokens=9000)
     assert e.value.body["param"] == "max_tokens" and "at most" in e.value.body["message"]
-    # an engine that does not answer in time: a 504 naming the limit, not a client waiting forever
-    endpoint = backend.service(model).endpoint
-    endpoint.request_timeout_s = 0.05
-    try:
-        with pytest.raises(openai.APIStatusError) as e:
-            await client.with_options(max_retries=0).chat.completions.create(
-                model=model.name, messages=msgs, max_tokens=200, temperature=0
-            )
-    finally:
-        endpoint.request_timeout_s = 900.0
+
+
+async def test_an_engine_that_does_not_answer_in_time_is_a_504_naming_the_limit(scripted) -> None:
+    model, backend = scripted
+    backend.engine(model).delay_s = 5.0
+    backend.endpoint(model).request_timeout_s = 0.05
+    with pytest.raises(openai.APIStatusError) as e:
+        await model.openai_client(max_retries=0).chat.completions.create(model=model.name, messages=HI)
     assert e.value.status_code == 504 and "request_timeout_s" in e.value.message
 
 
-async def test_capture_scopes_keep_concurrent_episodes_apart(served) -> None:
-    model, _ = served
+async def test_capture_scopes_keep_concurrent_episodes_apart(scripted) -> None:
+    model, _ = scripted
     client = model.openai_client()
 
     async def episode(i: int) -> tuple[int, list[str]]:
@@ -210,78 +301,50 @@ async def test_capture_scopes_keep_concurrent_episodes_apart(served) -> None:
         assert seen == [f"episode {i} turn 0", f"episode {i} turn 1"]
 
 
-async def test_named_tool_choice_forces_that_tool_and_bad_choices_are_named(served) -> None:
-    model, backend = served
-    client = model.openai_client()
-    tools = [*TOOLS, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-    forced = await client.chat.completions.create(
-        model=model.name,
-        messages=[{"role": "user", "content": "Weather in Oslo?"}],
-        tools=tools,
-        tool_choice={"type": "function", "function": {"name": "get_time"}},
-        temperature=1.0,
-        seed=3,
-        max_tokens=40,
-    )
-    assert forced.choices[0].finish_reason == "tool_calls"
-    assert [c.function.name for c in forced.choices[0].message.tool_calls] == ["get_time"]
-    # the same call cut by max_tokens: "length", no half-parsed call, and its tokens still train
-    cut = await client.chat.completions.create(
-        model=model.name,
-        messages=[{"role": "user", "content": "Weather in Oslo?"}],
-        tools=tools,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=6,
-        extra_body={"store": True, "frobnicate": {"x": 1}},  # unknown fields: ignored, as vLLM does
-    )
-    (choice,) = cut.choices
-    assert choice.finish_reason == "length" and not choice.message.tool_calls, choice
-    record = jm.record_of(choice)
-    assert len(record.token_ids) == 6 and record.finish_reason == "length"
-    traj = jm.Trajectory(messages_and_choices=[{"role": "user", "content": "Weather in Oslo?"}, choice])
-    (row,) = trajectory_rows(traj, backend.service(model).chat_format, advantage=1.0)
-    assert row.input_ids[-6:] == record.token_ids and row.trained[-6:] == [True] * 6
-    for choice, field in [
+@pytest.mark.parametrize(
+    ("choice", "field"),
+    [
         ({"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
         ("sometimes", "tool_choice"),
-    ]:
-        with pytest.raises(openai.BadRequestError) as e:
-            await client.chat.completions.create(
-                model=model.name,
-                messages=[{"role": "user", "content": "hi"}],
-                tools=tools,
-                tool_choice=choice,
-            )
-        assert e.value.body["param"] == field
+    ],
+    ids=["unknown-tool", "unknown-mode"],
+)
+async def test_a_bad_tool_choice_is_named(scripted, choice: Any, field: str) -> None:
+    model, _ = scripted
+    with pytest.raises(openai.BadRequestError) as e:
+        await model.openai_client().chat.completions.create(
+            model=model.name, messages=HI, tools=TOOLS, tool_choice=choice
+        )
+    assert e.value.body["param"] == field
 
 
-async def test_responses_route_records_the_same_tokens(served) -> None:
+async def test_the_responses_route_records_what_the_chat_route_records(scripted, chat_format) -> None:
     """/v1/responses (the Agents SDK's default API) goes through the same endpoint and records."""
-    model, backend = served
+    model, backend = scripted
+    backend.engine(model).script = _echo
     client = model.openai_client()
     resp = await client.responses.create(
-        model=model.name,
-        instructions="Answer in one word.",
-        input="What colour is the sky?",
-        max_output_tokens=8,
-        temperature=0,
+        model=model.name, instructions="Answer in one word.", input="What colour is the sky?"
     )
     (record,) = [jm.TokenRecord.model_validate(r) for r in resp.model_extra["journeyman"]]
-    tok = backend.service(model).chat_format.tokenizer
-    assert tok.decode(record.token_ids, skip_special_tokens=True) == resp.output_text
+    assert chat_format.tokenizer.decode(record.token_ids, skip_special_tokens=True) == resp.output_text
     chat = await client.chat.completions.create(
         model=model.name,
         messages=[
             {"role": "system", "content": "Answer in one word."},
             {"role": "user", "content": "What colour is the sky?"},
         ],
-        max_tokens=8,
-        temperature=0,
     )
     assert jm.record_of(chat.choices[0]).prompt_token_ids == record.prompt_token_ids
     assert chat.choices[0].message.content == resp.output_text
+
+
+async def test_the_responses_route_refuses_a_previous_response_id(scripted) -> None:
+    model, _ = scripted
     with pytest.raises(openai.BadRequestError) as e:
-        await client.responses.create(model=model.name, input="hi", previous_response_id="resp_x")
+        await model.openai_client().responses.create(
+            model=model.name, input="hi", previous_response_id="resp_x"
+        )
     assert e.value.body["param"] == "previous_response_id"
 
 
@@ -476,7 +539,7 @@ async def test_torch_work_runs_on_the_sampling_thread_between_batches(served) ->
         ]
         await asyncio.sleep(0.05)  # the three are queued before the call
         assert await engine.call(work) == "done"
-        assert seen == {"thread": engine._thread, "batches": 1, "served": 1}
+        assert seen == {"thread": engine.scheduler.thread, "batches": 1, "served": 1}
         await asyncio.gather(first, *queued)
         assert engine.batches == 2  # the queued three sampled together, after the call
         with pytest.raises(ValueError, match="bad step"):
@@ -576,13 +639,13 @@ async def test_a_bad_sampling_value_fails_its_own_request_not_the_good_ones_besi
             assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
 
 
-async def test_a_huge_prompt_is_refused_quickly_while_another_request_is_answered(served) -> None:
+async def test_a_huge_prompt_is_refused_quickly_while_another_request_is_answered(scripted) -> None:
     """A 10 MB prompt (well under the body cap) is refused with a 400 naming `messages` in well
     under the ~22 s tokenizing it took, and a request sent beside it is answered meanwhile: its
     parsing, rendering and tokenizing happen off the event loop, the size is checked first."""
     import time
 
-    model, _ = served
+    model, _ = scripted
     huge = {
         "model": model.name,
         "messages": [{"role": "user", "content": "word " * 2_000_000}],
@@ -602,10 +665,10 @@ async def test_a_huge_prompt_is_refused_quickly_while_another_request_is_answere
     assert took < 10, took
 
 
-async def test_schemas_too_large_or_deep_to_compile_are_refused_by_field(served) -> None:
+async def test_schemas_too_large_or_deep_to_compile_are_refused_by_field(scripted) -> None:
     """A JSON schema the grammar compiler would take minutes over (too many bytes, too deep) is
     refused before compiling, naming the field it came from, on both routes."""
-    model, _ = served
+    model, _ = scripted
     deep: dict = {"type": "string"}
     for _ in range(40):
         deep = {"type": "object", "properties": {"a": deep}}

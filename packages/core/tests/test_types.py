@@ -8,38 +8,20 @@ import httpx
 import journeyman as jm
 import openai
 import pytest
+from _support import recorded_choice
 from journeyman.data.failures import check_on_error, settle_failed_run
 from openai.types.chat.chat_completion import Choice
 
 
-def _choice(text: str) -> Choice:
-    record = jm.TokenRecord(
-        prompt_token_ids=[1, 2],
-        token_ids=[5, 6],
-        logprobs=[-0.1, -0.2],
-        model="m@0",
-        step=0,
-        finish_reason="stop",
-    )
-    return Choice.model_validate(
-        {
-            "index": 0,
-            "finish_reason": "stop",
-            "message": {"role": "assistant", "content": text},
-            "journeyman": record.model_dump(),
-        }
-    )
-
-
 def test_trajectory_round_trips_through_json_with_its_records() -> None:
     traj = jm.Trajectory(
-        messages_and_choices=[{"role": "user", "content": "hi"}, _choice("hello")],
+        messages_and_choices=[{"role": "user", "content": "hi"}, recorded_choice("hello")],
         tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         reward=0.5,
         metrics={"turns": 1},
         metadata={"scenario": "a"},
         additional_histories=[
-            jm.History(messages_and_choices=[{"role": "user", "content": "side"}, _choice("x")])
+            jm.History(messages_and_choices=[{"role": "user", "content": "side"}, recorded_choice("x")])
         ],
     )
     group = jm.TrajectoryGroup([traj])
@@ -49,7 +31,7 @@ def test_trajectory_round_trips_through_json_with_its_records() -> None:
     assert isinstance(restored.messages_and_choices[1], Choice)
     assert restored.records() == traj.records()
     assert jm.record_of(restored.messages_and_choices[1]).token_ids == [5, 6]
-    assert restored.additional_histories[0].records()[0].logprobs == [-0.1, -0.2]
+    assert restored.additional_histories[0].records()[0].logprobs == [-0.5, -0.5]
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
@@ -98,7 +80,7 @@ async def test_gather_rejects_a_bad_max_exceptions() -> None:
 
 def _partial() -> jm.Trajectory:
     """What an adapter built from the calls a run made before it raised."""
-    return jm.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, _choice("calling")])
+    return jm.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, recorded_choice("calling")])
 
 
 def test_failed_run_policies() -> None:

@@ -1,8 +1,9 @@
 """The vLLM engine (CPU build, its own environment) behind our endpoint: records, tools, training, hot-load.
 
 At most one vLLM server runs at a time (each takes ~1 min and ~5 GB to start on this CPU), so the tests
-run in file order: the supervisor's failure paths, the learning run (`run_demo`, its own server), then
-one shared server for the base-model checks followed by one training step with its hot-load. The
+run in file order: the supervisor's failure paths, then one shared server for the base-model checks,
+the learning run (`run_demo` on that server's model), one more training step with its hot-load, and
+a kill and restart. The
 environment is provisioned on first use (`journeyman.engine.vllm_env`); these tests skip only when it
 is absent and no package index is reachable.
 """
@@ -26,6 +27,7 @@ import journeyman as jm
 import jsonschema
 import openai
 import pytest
+from _support import tool_round_trip
 from journeyman.app import tasks
 from journeyman.app.demo import run_demo
 from journeyman.engine import vllm_env
@@ -36,40 +38,6 @@ from openai.types.chat import ChatCompletion
 # Startup dominates on 2 shared cores (50 s idle, up to 4 min under load); learning took 104 s alone
 # (3 steps: 0.152 -> 0.498, 8.0 SE), 3-5 min beside the rest of the suite.
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(1800)]
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
-# One worked example makes the 135M model imitate the tool-call format.
-FEW_SHOT: list[dict[str, Any]] = [
-    {"role": "system", "content": "You answer weather questions. Always call get_weather first."},
-    {"role": "user", "content": "What's the weather in Rome?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "c0",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "c0", "content": "18C, cloudy"},
-    {"role": "assistant", "content": "It is 18C and cloudy in Rome."},
-    {"role": "user", "content": "What's the weather in Paris?"},
-]
 
 
 @pytest.fixture(scope="module")
@@ -188,47 +156,20 @@ def test_start_failure_shows_the_server_log(vllm_python: str) -> None:
     assert not server.alive()
 
 
-@pytest.mark.slow
-async def test_grpo_learns_with_the_vllm_engine(vllm_python: str, tmp_path: Path) -> None:
-    """The core learning test (test_learning.py's settings) with engine="vllm": its own server, closed after."""
-    steps: list[dict[str, float]] = []
-    t0 = time.perf_counter()
-    result = await run_demo(
-        path=tmp_path,
-        steps=3,
-        learning_rate=8e-4,
-        engine=VLLMConfig(python=vllm_python),
-        on_step=lambda _, m: steps.append(m),
-    )
-    gaps = [m["engine_trainer_logprob_gap"] for m in steps]
-    print(
-        f"\nvLLM: held-out reward {result.before.mean:.3f}±{result.before.sem:.3f} -> "
-        f"{result.after.mean:.3f}±{result.after.sem:.3f} ({result.gain_in_sems:.1f} SE) in "
-        f"{time.perf_counter() - t0:.0f} s; engine-trainer logprob gap per step (mean |Δ|): "
-        + " ".join(f"{g:.1e}" for g in gaps)
-        + "; adapter loads: "
-        + " ".join(f"{m['adapter_load_seconds']:.2f}" for m in steps)
-        + " s"
-    )
-    assert result.gain_in_sems > 3, result
-    # every step was sampled by vLLM on the adapter the trainer had just produced
-    assert len(steps) == 3 and max(gaps) < 1e-3, gaps
-
-
 def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-async def test_records_are_exact_and_match_the_in_process_engine(vllm_served, served) -> None:
+SEA = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+async def test_greedy_records_match_the_in_process_engine(vllm_served, served) -> None:
     model, backend = vllm_served
     torch_model, _ = served
-    msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
-    cf = backend.service(model).chat_format
-    expected_prompt, _ = cf.prompt_ids(msgs)
-
+    expected_prompt, _ = backend.service(model).chat_format.prompt_ids(SEA)
     greedy = [
         await m.openai_client().chat.completions.create(
-            model=m.name, messages=msgs, max_tokens=24, temperature=0
+            model=m.name, messages=SEA, max_tokens=24, temperature=0
         )
         for m in (model, torch_model)
     ]
@@ -238,9 +179,14 @@ async def test_records_are_exact_and_match_the_in_process_engine(vllm_served, se
     assert max_diff(via_vllm.logprobs, via_torch.logprobs) < 1e-3
     assert via_vllm.model == f"{model.name}@0" and via_vllm.step == 0
 
-    sampled = await model.openai_client().chat.completions.create(
+
+@pytest.fixture(scope="module")
+async def seeded(vllm_served) -> ChatCompletion:
+    """n=3 temperature-1 samples of one seed, with the top two alternatives of each token."""
+    model, _ = vllm_served
+    return await model.openai_client().chat.completions.create(
         model=model.name,
-        messages=msgs,
+        messages=SEA,
         max_tokens=24,
         temperature=1.0,
         n=3,
@@ -248,63 +194,67 @@ async def test_records_are_exact_and_match_the_in_process_engine(vllm_served, se
         logprobs=True,
         top_logprobs=2,
     )
-    records = [jm.record_of(c) for c in sampled.choices]
-    assert len({tuple(r.token_ids) for r in records}) > 1  # n samples are distinct draws
-    for choice, rec in zip(sampled.choices, records, strict=True):
-        assert cf.tokenizer.decode(rec.token_ids, skip_special_tokens=True) == choice.message.content
+
+
+async def test_n_samples_are_distinct_draws_recorded_exactly(vllm_served, seeded: ChatCompletion) -> None:
+    """Each decodes to its message; its logprobs are the trainer's raw temperature-1 ones."""
+    model, backend = vllm_served
+    service = backend.service(model)
+    records = [jm.record_of(c) for c in seeded.choices]
+    assert len({tuple(r.token_ids) for r in records}) > 1
+    for choice, rec in zip(seeded.choices, records, strict=True):
+        assert service.chat_format.tokenizer.decode(rec.token_ids, skip_special_tokens=True) == (
+            choice.message.content
+        )
         assert (
-            max_diff(
-                backend.service(model).policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids),
-                rec.logprobs,
-            )
+            max_diff(service.policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids), rec.logprobs)
             < 1e-3
-        )  # raw temperature-1 logprobs
+        )
+
+
+def test_top_logprobs_come_in_order(seeded: ChatCompletion) -> None:
+    for choice in seeded.choices:
         top = choice.logprobs.content[0].top_logprobs
         assert len(top) == 2 and top[0].logprob >= top[1].logprob
-    again = await model.openai_client().chat.completions.create(
-        model=model.name, messages=msgs, max_tokens=24, temperature=1.0, n=3, seed=5
-    )
-    assert [jm.record_of(c).token_ids for c in again.choices] == [r.token_ids for r in records]  # seeded
 
-    # Seeded, and longer than the CPU build's default 2048-token batch budget: chunked, its prefill
-    # killed vLLM's engine core (a CPU generator cannot rewind); the server now runs unchunked.
+
+async def test_a_seed_reproduces_its_samples(vllm_served, seeded: ChatCompletion) -> None:
+    model, _ = vllm_served
+    again = await model.openai_client().chat.completions.create(
+        model=model.name, messages=SEA, max_tokens=24, temperature=1.0, n=3, seed=5
+    )
+    assert [jm.record_of(c).token_ids for c in again.choices] == [
+        jm.record_of(c).token_ids for c in seeded.choices
+    ]
+
+
+async def test_a_seeded_prompt_past_the_cpu_batch_budget_is_answered(vllm_served) -> None:
+    """Longer than the CPU build's default 2048-token batch budget: chunked, its prefill killed
+    vLLM's engine core (a CPU generator cannot rewind); the server now runs unchunked."""
+    model, backend = vllm_served
     long = [{"role": "user", "content": "Summarize: " + " ".join(f"item{i}" for i in range(900))}]
-    assert 2048 < len(cf.prompt_ids(long)[0]) < 4000
+    assert 2048 < len(backend.service(model).chat_format.prompt_ids(long)[0]) < 4000
     out = await model.openai_client().chat.completions.create(
         model=model.name, messages=long, max_tokens=4, temperature=1.0, seed=3
     )
     assert len(jm.record_of(out.choices[0]).token_ids) > 0
 
+
+async def test_a_stop_string_ends_the_completion_before_it(vllm_served) -> None:
+    model, _ = vllm_served
     stopped = await model.openai_client().chat.completions.create(
-        model=model.name, messages=msgs, max_tokens=40, temperature=0, stop=["\n", "."]
+        model=model.name, messages=SEA, max_tokens=40, temperature=0, stop=["\n", "."]
     )
     assert "." not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
 
 
 async def test_tool_trajectory_through_vllm_is_token_exact(vllm_served) -> None:
     model, backend = vllm_served
-    client = model.openai_client()
-    # The 135M model rarely calls a tool on its own: tool_choice="required" has vLLM decode under a
-    # grammar (literal <tool_call> tags around JSON matching a listed tool), as agents on small models do.
-    first = await client.chat.completions.create(
-        model=model.name,
-        messages=FEW_SHOT,
-        tools=TOOLS,
-        tool_choice="required",
-        seed=7,
-        temperature=0.7,
-        max_tokens=60,
-    )
-    call = first.choices[0]
+    # tool_choice="required" has vLLM decode under a grammar (literal <tool_call> tags around JSON
+    # matching a listed tool), as agents on small models do
+    call, _, traj = await tool_round_trip(model)
     assert call.finish_reason == "tool_calls", call.message.content
     tool_call = call.message.tool_calls[0]
-    traj = jm.Trajectory(messages_and_choices=[*FEW_SHOT, call], tools=TOOLS)
-    traj.messages_and_choices.append({"role": "tool", "tool_call_id": tool_call.id, "content": "21C, sunny"})
-    second = await client.chat.completions.create(
-        model=model.name, messages=traj.messages(), tools=TOOLS, temperature=0, max_tokens=30
-    )
-    traj.messages_and_choices.append(second.choices[0])
-
     rec1, rec2 = traj.records()
     fmt = backend.service(model).chat_format
     turn = fmt.parse(fmt.completion_text(rec1.token_ids))
@@ -360,6 +310,36 @@ async def test_json_schema_output_through_vllm(vllm_served) -> None:
         )
 
 
+@pytest.mark.slow
+async def test_grpo_learns_with_the_vllm_engine(vllm_served) -> None:
+    """The core learning test (test_learning.py's settings) with engine="vllm", on the shared server's
+    model once the base-model checks above are done (a server of its own took another start)."""
+    model, backend = vllm_served
+    steps: list[dict[str, float]] = []
+    t0 = time.perf_counter()
+    result = await run_demo(
+        backend=backend,
+        name=model.name,
+        project=model.project,
+        steps=3,
+        learning_rate=8e-4,
+        on_step=lambda _, m: steps.append(m),
+    )
+    gaps = [m["engine_trainer_logprob_gap"] for m in steps]
+    print(
+        f"\nvLLM: held-out reward {result.before.mean:.3f}±{result.before.sem:.3f} -> "
+        f"{result.after.mean:.3f}±{result.after.sem:.3f} ({result.gain_in_sems:.1f} SE) in "
+        f"{time.perf_counter() - t0:.0f} s; engine-trainer logprob gap per step (mean |Δ|): "
+        + " ".join(f"{g:.1e}" for g in gaps)
+        + "; adapter loads: "
+        + " ".join(f"{m['adapter_load_seconds']:.2f}" for m in steps)
+        + " s"
+    )
+    assert result.gain_in_sems > 3, result
+    # every step was sampled by vLLM on the adapter the trainer had just produced
+    assert len(steps) == 3 and max(gaps) < 1e-3, gaps
+
+
 def _rollout_groups(model: jm.TrainableModel, split: str, prompts: int, group_size: int, seed: int):
     client = model.openai_client()
     return jm.gather_trajectory_groups(
@@ -375,14 +355,15 @@ async def test_training_step_hot_loads_the_adapter_vllm_serves(vllm_served) -> N
     """After one step, vLLM's logprobs for newly sampled tokens equal the trainer's to 1e-3 (fp32)."""
     model, backend = vllm_served
     engine = backend.service(model).engine
+    before = await model.get_step()  # 0, or 3 after the learning run
     groups = await _rollout_groups(model, "train", prompts=4, group_size=4, seed=11)
     # A large learning rate so the adapter moves logprobs far more than the 1e-3 tolerance.
     result = await model.train(groups, config=jm.TrainConfig(learning_rate=2e-3))
-    assert not result.skipped and result.step == 1 == await model.get_step()
+    assert not result.skipped and result.step == before + 1 == await model.get_step()
     load_s = result.metrics["adapter_load_seconds"]
     print(f"\nadapter hot-load: {load_s:.3f} s (engine-side {engine.adapter_load_seconds[-1]:.3f} s)")
     assert load_s < 10
-    assert engine.served_model == "policy@1"
+    assert engine.served_model == f"policy@{result.step}"
 
     out = await model.openai_client().chat.completions.create(
         model=model.name,
@@ -395,7 +376,7 @@ async def test_training_step_hot_loads_the_adapter_vllm_serves(vllm_served) -> N
     moved = gap = 0.0
     for choice in out.choices:
         rec = jm.record_of(choice)
-        assert rec.step == 1 and rec.model == f"{model.name}@1"
+        assert rec.step == result.step and rec.model == f"{model.name}@{result.step}"
         gap = max(
             gap,
             max_diff(
@@ -425,7 +406,8 @@ async def test_a_killed_server_fails_its_requests_fast_and_is_restarted_on_the_s
     restart are refused at once, and the restarted server serves the adapter of the step it served."""
     model, backend = vllm_served
     engine = backend.service(model).engine
-    assert isinstance(engine, VLLMEngine) and engine.step == 1
+    assert isinstance(engine, VLLMEngine) and engine.step >= 1
+    step = engine.step
     client = model.openai_client().with_options(max_retries=0, timeout=120)
 
     async def ask(max_tokens: int = 256) -> Any:
@@ -463,7 +445,7 @@ async def test_a_killed_server_fails_its_requests_fast_and_is_restarted_on_the_s
         await asyncio.sleep(0.5)
     assert engine.down is None and engine.restarts == 1
     out = await ask(8)
-    assert jm.record_of(out.choices[0]).step == 1 and engine.served_model == "policy@1"
+    assert jm.record_of(out.choices[0]).step == step and engine.served_model == f"policy@{step}"
     print(
         f"\nkilled vLLM: {len(refused)}/8 in-flight failed in {failed_within:.2f} s; restarted in "
         f"{engine.server.startup_seconds:.0f} s on step {engine.step}"

@@ -1,0 +1,229 @@
+"""Helpers and data shared by the tests of every package and by bench/soak.py.
+
+On sys.path through the root conftest.py (tests are not a package under `--import-mode=importlib`);
+a bench adds this folder itself. Fixtures built on these live in the root conftest.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from journeyman import CapturedCall, Inference, ModelConfig, TrainableModel, Trajectory
+    from journeyman.chat.formats import ChatFormat
+    from journeyman.engine.scripted import Script, ScriptedEngine
+    from journeyman.serving.endpoint import Endpoint, ServerThread
+    from openai.types.chat.chat_completion import Choice
+
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+# One worked example makes the 135M model imitate the tool-call format.
+FEW_SHOT: list[dict[str, Any]] = [
+    {"role": "system", "content": "You answer weather questions. Always call get_weather first."},
+    {"role": "user", "content": "What's the weather in Rome?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c0", "content": "18C, cloudy"},
+    {"role": "assistant", "content": "It is 18C and cloudy in Rome."},
+    {"role": "user", "content": "What's the weather in Paris?"},
+]
+
+
+def weather_tools(cities: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """[get_weather], its `city` limited to `cities` when given (a fresh copy each call)."""
+    tool = copy.deepcopy(WEATHER_TOOL)
+    if cities is not None:
+        tool["function"]["parameters"]["properties"]["city"]["enum"] = list(cities)
+    return [tool]
+
+
+def few_shot() -> list[dict[str, Any]]:
+    """FEW_SHOT, a fresh copy a test may change."""
+    return copy.deepcopy(FEW_SHOT)
+
+
+async def tool_round_trip(model: TrainableModel) -> tuple[Choice, Choice, Trajectory]:
+    """FEW_SHOT on `model`: a forced get_weather call (seed 7), the tool's answer, a greedy reply.
+    Returns (call choice, reply choice, the whole trajectory); a call not made leaves no tool turn."""
+    from journeyman import Trajectory
+
+    client = model.openai_client()
+    tools, messages = weather_tools(), few_shot()
+    # The 135M model rarely calls a tool on its own; tool_choice="required" constrains decoding to
+    # a well-formed call of a listed tool, which is how agents use small models.
+    first = await client.chat.completions.create(
+        model=model.name,
+        messages=messages,
+        tools=tools,
+        tool_choice="required",
+        seed=7,
+        temperature=0.7,
+        max_tokens=60,
+    )
+    call = first.choices[0]
+    traj = Trajectory(messages_and_choices=[*messages, call], tools=tools)
+    if call.message.tool_calls:
+        tool_call_id = call.message.tool_calls[0].id
+        traj.messages_and_choices.append(
+            {"role": "tool", "tool_call_id": tool_call_id, "content": "21C, sunny"}
+        )
+    second = await client.chat.completions.create(
+        model=model.name,
+        messages=traj.messages(),
+        tools=tools,
+        temperature=0,
+        max_tokens=30,
+    )
+    traj.messages_and_choices.append(second.choices[0])
+    return call, second.choices[0], traj
+
+
+def recorded_choice(
+    content: str = "x", prompt_token_ids: Sequence[int] = (1, 2), token_ids: Sequence[int] = (5, 6)
+) -> Choice:
+    """An assistant choice as the endpoint returns it: `content` with a token record (logprob -0.5 a
+    token, step 0) under the extra field `journeyman`."""
+    from journeyman import TokenRecord
+    from openai.types.chat.chat_completion import Choice
+
+    record = TokenRecord(
+        prompt_token_ids=list(prompt_token_ids),
+        token_ids=list(token_ids),
+        logprobs=[-0.5] * len(token_ids),
+        model="m@0",
+        step=0,
+        finish_reason="stop",
+    )
+    return Choice.model_validate(
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "message": {"role": "assistant", "content": content},
+            "journeyman": record.model_dump(),
+        }
+    )
+
+
+def embedded_chat_format() -> ChatFormat:
+    """The embedded model's chat format: its tokenizer only (well under a second), never its weights."""
+    from journeyman.chat.formats import ChatFormat
+    from journeyman.policy.weights import DEFAULT_BASE_MODEL, resolve_base_model
+    from transformers import AutoTokenizer
+
+    return ChatFormat(AutoTokenizer.from_pretrained(resolve_base_model(DEFAULT_BASE_MODEL)))
+
+
+class _Scripted:
+    """One scripted model: its engine, the real endpoint over it, and that endpoint's server thread."""
+
+    def __init__(self, engine: ScriptedEngine, endpoint: Endpoint, server: ServerThread) -> None:
+        self.engine, self.endpoint, self.server = engine, endpoint, server
+
+
+class ScriptedBackend:
+    """A `jm.Backend` that serves each registered model from a `ScriptedEngine` through the real
+    endpoint (rendering, splicing, records, captures, the OpenAI and Responses routes, the bearer
+    token), loading no weights: for tests of what sits above the engine. It only serves:
+    training and the run store raise NotImplementedError.
+
+        backend = ScriptedBackend(chat_format, ["Hi!"])
+        await model.register(backend)
+        backend.engine(model).script = lambda call: "..."   # change the script any time
+    """
+
+    def __init__(
+        self,
+        chat_format: ChatFormat,
+        script: Script = ("OK",),
+        *,
+        path: str | Path = ".journeyman-scripted",
+        max_context: int = 8192,
+    ) -> None:
+        import secrets
+
+        self.chat_format, self.script, self.path = chat_format, script, Path(path)
+        self.max_context = max_context
+        self.api_key = secrets.token_urlsafe(24)
+        self._models: dict[str, _Scripted] = {}
+
+    async def register(self, model: ModelConfig) -> None:
+        if model.name in self._models:
+            return
+        from journeyman.engine.scripted import ScriptedEngine
+        from journeyman.serving.endpoint import Endpoint, ServerThread, build_app
+        from journeyman.serving.guard import DEFAULT_MAX_BODY_BYTES, Guard
+
+        engine = ScriptedEngine(self.chat_format, self.script)
+        endpoint = Endpoint(
+            engine,
+            self.chat_format,
+            model.name,
+            default_max_tokens=model.max_tokens,
+            max_context=self.max_context,
+        )
+        server = ServerThread(Guard(build_app(endpoint), self.api_key, DEFAULT_MAX_BODY_BYTES))
+        self._models[model.name] = _Scripted(engine, endpoint, server)
+
+    def _get(self, model: ModelConfig | str) -> _Scripted:
+        return self._models[model if isinstance(model, str) else model.name]
+
+    def engine(self, model: ModelConfig | str) -> ScriptedEngine:
+        return self._get(model).engine
+
+    def endpoint(self, model: ModelConfig | str) -> Endpoint:
+        return self._get(model).endpoint
+
+    def inference(self, model_name: str | None = None) -> Inference:
+        from journeyman import Inference
+
+        name = model_name or next(reversed(self._models))
+        return Inference(base_url=self._get(name).server.base_url, api_key=self.api_key, model=name)
+
+    async def get_step(self, model: ModelConfig) -> int:
+        return self.engine(model).step
+
+    async def pop_captures(
+        self, model: ModelConfig, capture_ids: Sequence[str]
+    ) -> dict[str, list[CapturedCall]]:
+        captures = self.endpoint(model).captures
+        return {cid: captures.pop(cid) for cid in capture_ids}
+
+    async def serve_step(self, model: ModelConfig, step: int) -> None:
+        await self.engine(model).load_adapter(self.run_dir(model) / "checkpoints" / f"{step:04d}", step)
+
+    def run_dir(self, model: ModelConfig) -> Path:
+        return self.path / model.project / "models" / model.name
+
+    async def train(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("a ScriptedBackend serves only; train on a LocalBackend")
+
+    train_sft = log = history = delete_checkpoints = train
+
+    def close(self) -> None:
+        for m in self._models.values():
+            m.server.stop()
+            m.engine.close()
+        self._models.clear()
