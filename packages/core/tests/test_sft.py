@@ -21,9 +21,9 @@ import pytest
 import torch
 from journeyman.app import tasks
 from journeyman.app.cli import app as cli
+from journeyman.training.packing import Pack
 from journeyman.training.rows import Row
 from journeyman.training.sft import SFTTrainer, lr_factor
-from journeyman.training.trainer import Pack
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 

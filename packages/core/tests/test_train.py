@@ -359,8 +359,8 @@ def _file_size_limit(limit: int) -> Iterator[None]:
 def test_a_shared_prefix_runs_once_with_the_same_logprobs_and_gradients(served) -> None:
     """Rows that share an untrained prefix (system prompt, tools) run it once per micro-batch; the
     logprobs and the LoRA gradients equal those of running every row in full."""
+    from journeyman.training.packing import micro_batches, pad_rows, shared_prefix_length, trained_logprobs
     from journeyman.training.rows import Row
-    from journeyman.training.trainer import micro_batches, pad_rows, shared_prefix_length, trained_logprobs
 
     model, backend = served
     service = backend.service(model)
@@ -403,8 +403,8 @@ def test_packed_rows_give_the_logprobs_and_gradients_of_padded_rows(served) -> N
     """Rows of different lengths packed into sequences (no padding, each shared prefix once per
     sequence, trained turns that rows share included) give every row's logprobs and the LoRA
     gradients that the same rows right-padded and run in full give, to fp32 rounding."""
+    from journeyman.training.packing import pack_rows, packed_logprobs, pad_rows, trained_logprobs
     from journeyman.training.rows import Row
-    from journeyman.training.trainer import pack_rows, packed_logprobs, pad_rows, trained_logprobs
 
     model, backend = served
     policy = backend.service(model).policy

@@ -3,13 +3,14 @@
 Agent prompts are mostly a prefix every rollout shares (system prompt, tool definitions: ~570 of
 ~600 tokens on an MCP server). The engine computes its keys and values once (`TorchEngine.
 _shared_prefix`) but the static cache holds a copy per row, and attention reads every copy at every
-decoded token: on this 2-core CPU, 32 rows decoding after a 600-token prompt took 140 ms a token
-against 93 ms after a 60-token one, the difference being attention over 32 copies of the same keys.
-Here the queries of all rows meet the prefix's keys in one matrix product (row 0's copy), the
-rows' own tokens as before, and one softmax spans both (cascade attention, as FlashInfer calls it).
+decoded token, which on the CPU makes a token take about half as long again (docs/). Here the
+queries of all rows meet the prefix's keys in one matrix product (row 0's copy), the rows' own
+tokens as before, and one softmax spans both (cascade attention, as FlashInfer calls it).
 
 Used only where it is the same computation as the model's own attention: one query token, no
 sliding window, no logit soft-capping, no dropout; anything else goes to the model's own function.
+It is registered with transformers by `register_prefix_attention`, which `prefix_attention` calls,
+never on import.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from journeyman.policy.lora import attention_implementation
+
+__all__ = ["PREFIX_ATTENTION", "prefix_attention", "register_prefix_attention", "shared_prefix_attention"]
 
 PREFIX_ATTENTION = "journeyman_shared_prefix"
 
@@ -73,8 +76,14 @@ def shared_prefix_attention(
     return out.reshape(b, heads, 1, d).transpose(1, 2).to(query.dtype), None  # (B, 1, heads, d)
 
 
-AttentionInterface.register(PREFIX_ATTENTION, shared_prefix_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(PREFIX_ATTENTION, sdpa_mask)  # the masks SDPA gets
+def register_prefix_attention() -> str:
+    """Make `shared_prefix_attention` known to transformers as `PREFIX_ATTENTION`, with SDPA's masks
+    (once; later calls change nothing); returns the name to set as a model's attention implementation."""
+    if ALL_ATTENTION_FUNCTIONS.get(PREFIX_ATTENTION) is not shared_prefix_attention:
+        AttentionInterface.register(PREFIX_ATTENTION, shared_prefix_attention)
+    if ALL_MASK_ATTENTION_FUNCTIONS.get(PREFIX_ATTENTION) is not sdpa_mask:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(PREFIX_ATTENTION, sdpa_mask)  # the masks SDPA gets
+    return PREFIX_ATTENTION
 
 
 @contextlib.contextmanager
@@ -85,5 +94,5 @@ def prefix_attention(causal_lm: Any) -> Iterator[str | None]:
     if causal_lm.config._attn_implementation != "sdpa" or causal_lm.device.type != "cpu":
         yield None
         return
-    with attention_implementation(causal_lm, PREFIX_ATTENTION) as inner:
+    with attention_implementation(causal_lm, register_prefix_attention()) as inner:
         yield inner

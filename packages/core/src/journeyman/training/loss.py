@@ -42,9 +42,8 @@ class _HeadLogprobs(torch.autograd.Function):
     """log softmax(h Wᵀ)[target] with the gradient for h worked out in the forward pass, chunk by
     chunk: ∂ log p(y) / ∂h = (onehot(y) - softmax(h Wᵀ)) W, so the (N, V) logits never outlive their
     chunk. Autograd on `token_logprobs(lm_head(h), y)` keeps them and makes five more tensors of
-    that size in the backward pass (over the 49k vocabulary of SmolLM2, 188 MB each for ~1000
-    trained tokens): filling and page-faulting them took 4-27% of a CPU train step (two runs, the
-    same groups with and without this)."""
+    that size in the backward pass: filling and page-faulting them is a sizeable share of a CPU
+    train step (docs/)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ into histories: the endpoint splices sampled turns, so a multi-turn tool run is 
 that does not extend it starts a new row: with a template that rewrites history (Qwen3 drops earlier
 reasoning, Mistral moves the tool list) that is every call whose prompt the rewrite changed, each
 trained on exactly the ids it was sampled from. Such rows share their prompt's start (system, tools,
-first turns), which the trainer runs once per micro-batch (`train.pack_rows`); what they cost is
+first turns), which the trainer runs once per micro-batch (`packing.pack_rows`); what they cost is
 the rest of each prompt run again. Additional histories are rows of their own. Histories
 with no token records (e.g. imported traces) are rendered with the chat template, their assistant
 turns trained as re-tokenised text (flagged, old logprobs unknown).
@@ -15,6 +15,7 @@ turns trained as re-tokenised text (flagged, old logprobs unknown).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from journeyman.chat.formats import ChatFormat
@@ -22,6 +23,8 @@ from journeyman.chat.messages import normalize_messages
 from journeyman.data.types import History, TokenRecord, Trajectory
 from journeyman.errors import NoTrainableTokensError
 from journeyman.rollout.histories import extends
+
+__all__ = ["Row", "history_rows", "trajectory_rows", "truncate_rows"]
 
 NAN = math.nan
 
@@ -113,3 +116,13 @@ def trajectory_rows(
     for r in rows:
         r.advantage = advantage
     return rows
+
+
+def truncate_rows(rows: Sequence[Row], max_seq_len: int) -> int:
+    """Cut rows longer than `max_seq_len` tokens in place; returns how many were cut."""
+    truncated = 0
+    for r in rows:
+        if len(r.input_ids) > max_seq_len:
+            truncated += 1
+            del r.input_ids[max_seq_len:], r.trained[max_seq_len:], r.rollout_logprobs[max_seq_len:]
+    return truncated

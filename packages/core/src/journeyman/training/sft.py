@@ -1,16 +1,16 @@
 """Supervised fine-tuning of the LoRA adapter on good trajectories: the warm start before RL.
 
-trajectories -> rows (`tokenize.trajectory_rows`: the sampled ids where a call was recorded, else
+trajectories -> rows (`rows.trajectory_rows`: the sampled ids where a call was recorded, else
 the chat template; only assistant turns trained, prompts and tool results masked) -> each epoch,
 shuffled optimizer batches of `batch_size` trajectories -> micro-batches -> masked cross-entropy
 -> AdamW, learning rate warmed up then decayed over the call. One call is one step of the run (one
 checkpoint, one history row), as a GRPO step is, so RL continues from the adapter it leaves.
 
 A micro-batch never lets one row attend to another. With `packing` (the default) it is one packed
-sequence, as in GRPO (`train.pack_rows`): rows end to end with no padding, a prompt prefix that
+sequence, as in GRPO (`packing.pack_rows`): rows end to end with no padding, a prompt prefix that
 rows share (agent rows: system prompt and tool definitions) run once, and a mask that keeps each
 row to its own tokens, so a packed row's logprobs are those of the row alone (test_sft.py).
-Without, rows are right-padded into length-sorted batches (`train.pad_rows`), a prefix common to
+Without, rows are right-padded into length-sorted batches (`packing.pad_rows`), a prefix common to
 the whole batch run once.
 
 The optimizer is AdamW of its own, fresh for each call (its warmup and decay belong to the call);
@@ -31,18 +31,17 @@ from journeyman.chat.formats import ChatFormat
 from journeyman.data.config import SFTConfig
 from journeyman.data.types import Trajectory
 from journeyman.policy.lora import LoraPolicy
-from journeyman.training.rows import Row, trajectory_rows
-from journeyman.training.trainer import (
+from journeyman.training.packing import (
     Pack,
-    _return_freed_memory,
     micro_batches,
     pack_rows,
     packed_logprobs,
     pad_rows,
     shared_prefix_length,
     trained_logprobs,
-    truncate_rows,
 )
+from journeyman.training.rows import Row, trajectory_rows, truncate_rows
+from journeyman.training.trainer import return_freed_memory
 
 
 def sft_loss(logp: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -204,7 +203,7 @@ class SFTTrainer:
                 opt.zero_grad(set_to_none=True)
                 model.eval()
                 self.policy.version += 1  # the weights may have changed, even on a failure
-        _return_freed_memory()
+        return_freed_memory()
         return {
             "loss": epoch_losses[-1],
             "loss_first_epoch": epoch_losses[0],
