@@ -21,7 +21,6 @@ import random
 from pathlib import Path
 
 import journeyman as jm
-from journeyman.rewards.ruler import RulerConfig
 from openai import AsyncOpenAI
 
 RUBRIC = """\
@@ -68,7 +67,7 @@ async def main(args: argparse.Namespace) -> None:
             jm.ruler_score_group,
             judge=judge,
             rubric=RUBRIC,
-            config=RulerConfig(judge_model=args.judge_model, explanation_chars=args.explanation_chars),
+            config=jm.RulerConfig(judge_model=args.judge_model, explanation_chars=args.explanation_chars),
         )
         rng = random.Random(0)
         config = jm.TrainConfig(learning_rate=args.learning_rate)

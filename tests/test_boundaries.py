@@ -1,7 +1,7 @@
 """Import boundaries of the workspace, read from the source trees with `ast` (nothing is imported).
 
-- Adapters use only core's public surface: names in `journeyman.__all__`, or in the `__all__` of a
-  core module whose dotted path has no `_`-prefixed part (a module without `__all__` exports nothing).
+- Adapters use only core's two faces: names in the `__all__` of `journeyman` or of
+  `journeyman.adapters` (the seam made for them). Core's layer modules may move; those names do not.
 - Core never imports an adapter; adapters never import each other.
 - Core's modules form no import cycle, counting imports under `if TYPE_CHECKING:` and inside
   functions: such a cycle works today only because of where the import sits, and turns into an
@@ -30,6 +30,7 @@ SOURCES = {
     "journeyman_agents": ROOT / "packages" / "agents-sdk" / "src" / "journeyman_agents",
 }
 ADAPTERS = sorted(set(SOURCES) - {CORE})
+ADAPTER_FACES = ("journeyman", "journeyman.adapters")  # all an adapter may import from core
 
 
 @dataclass(frozen=True)
@@ -140,11 +141,20 @@ def _private_part(module: str) -> str | None:
     return next((p for p in module.split(".") if p.startswith("_")), None)
 
 
-def _check_public(module: str, name: str) -> str | None:
-    """Why `module.name` is not core's public surface, or None when it is."""
+def _not_a_face(module: str) -> str | None:
+    if module in ADAPTER_FACES:
+        return None
     private = _private_part(module)
     if private:
         return f"{module} is private ({private!r})"
+    return f"{module} is not one of {' or '.join(ADAPTER_FACES)}"
+
+
+def _check_public(module: str, name: str) -> str | None:
+    """Why `module.name` is not core's surface for adapters, or None when it is."""
+    why = _not_a_face(module)
+    if why:
+        return why
     exported = public_names(module)
     if exported is None:
         return f"{module} has no __all__ (a module without one exports nothing)"
@@ -172,45 +182,69 @@ def _attribute_chains(tree: ast.AST) -> Iterator[tuple[list[str], int]]:
 
 
 def public_surface_violations(top: str) -> list[str]:
+    return [v for mod in modules(top).values() for v in module_surface_violations(mod)]
+
+
+def module_surface_violations(mod: Module) -> list[str]:
+    """Where one adapter module reaches past core's faces (imports and `jm.x.y` attribute chains)."""
     found: list[str] = []
-    for mod in modules(top).values():
-        bound: dict[str, str] = {}  # local name -> core module it stands for
-        explicit: set[str] = set()  # modules `import a.b.c` made reachable as attributes
-        for imp in imports(mod):
-            if _top(imp.module) != CORE:
-                continue
-            if not imp.names:  # import journeyman[.x] [as y]
-                private = _private_part(imp.module)
-                if private:
-                    found.append(f"{mod.where(imp.line)}: import {imp.module}: private ({private!r})")
-                if imp.alias:
-                    bound[imp.alias] = imp.module
-                else:
-                    bound[CORE] = CORE
-                    parts = imp.module.split(".")
-                    explicit.update(".".join(parts[: i + 1]) for i in range(1, len(parts)))
-                continue
-            for name in imp.names:
-                why = "star import" if name == "*" else _check_public(imp.module, name)
-                if why:
-                    found.append(f"{mod.where(imp.line)}: from {imp.module} import {name}: {why}")
-        for chain, line in _attribute_chains(mod.tree):
-            if chain[0] not in bound:
-                continue
-            module, rest = bound[chain[0]], chain[1:]
-            while rest and f"{module}.{rest[0]}" in explicit:
-                module, rest = f"{module}.{rest[0]}", rest[1:]
-            if rest:
-                why = _check_public(module, rest[0])
-                if why:
-                    used = ".".join(chain[: len(chain) - len(rest) + 1])
-                    found.append(f"{mod.where(line)}: {used}: {why}")
+    bound: dict[str, str] = {}  # local name -> core module it stands for
+    explicit: set[str] = set()  # modules `import a.b.c` made reachable as attributes
+    for imp in imports(mod):
+        if _top(imp.module) != CORE:
+            continue
+        if not imp.names:  # import journeyman[.x] [as y]
+            why = _not_a_face(imp.module)
+            if why:
+                found.append(f"{mod.where(imp.line)}: import {imp.module}: {why}")
+            if imp.alias:
+                bound[imp.alias] = imp.module
+            else:
+                bound[CORE] = CORE
+                parts = imp.module.split(".")
+                explicit.update(".".join(parts[: i + 1]) for i in range(1, len(parts)))
+            continue
+        for name in imp.names:
+            why = "star import" if name == "*" else _check_public(imp.module, name)
+            if why:
+                found.append(f"{mod.where(imp.line)}: from {imp.module} import {name}: {why}")
+    for chain, line in _attribute_chains(mod.tree):
+        if chain[0] not in bound:
+            continue
+        module, rest = bound[chain[0]], chain[1:]
+        while rest and f"{module}.{rest[0]}" in explicit:
+            module, rest = f"{module}.{rest[0]}", rest[1:]
+        if rest:
+            why = _check_public(module, rest[0])
+            if why:
+                used = ".".join(chain[: len(chain) - len(rest) + 1])
+                found.append(f"{mod.where(line)}: {used}: {why}")
     return found
 
 
 def test_adapters_import_only_public_core_names() -> None:
     found = [v for top in ADAPTERS for v in public_surface_violations(top)]
     assert not found, "adapters reach past core's public surface:\n" + "\n".join(found)
+
+
+def test_the_surface_check_catches_layer_imports_planted_in_an_adapter() -> None:
+    planted = (
+        "import journeyman as jm\n"
+        "from journeyman.adapters import Episode, join_calls\n"
+        "from journeyman.rollout.histories import join_calls\n"
+        "import journeyman.data.failures\n"
+        "jm.rollout.histories.join_calls\n"
+    )
+    path = SOURCES["journeyman_mcp"] / "rollout.py"
+    mod = Module("journeyman_mcp.rollout", path, False, ast.parse(planted))
+    where = "packages/mcp/src/journeyman_mcp/rollout.py"
+    faces = "journeyman or journeyman.adapters"
+    assert sorted(module_surface_violations(mod)) == [
+        f"{where}:2: from journeyman.adapters import join_calls: 'join_calls' is not in journeyman.adapters.__all__",
+        f"{where}:3: from journeyman.rollout.histories import join_calls: journeyman.rollout.histories is not one of {faces}",
+        f"{where}:4: import journeyman.data.failures: journeyman.data.failures is not one of {faces}",
+        f"{where}:5: jm.rollout: 'rollout' is not in journeyman.__all__",
+    ]
 
 
 def test_core_imports_no_adapter_and_adapters_not_each_other() -> None:

@@ -6,7 +6,14 @@ from typing import Any
 
 import journeyman as jm
 import pytest
-from journeyman.rollout.histories import extends, histories_of, join_calls, main_first, trajectory_of
+from journeyman.rollout.histories import (
+    extends,
+    fill_histories,
+    histories_of,
+    join_calls,
+    main_first,
+    trajectory_of,
+)
 from journeyman.training.rows import _rows_from_records
 from openai.types.chat.chat_completion import Choice
 
@@ -158,6 +165,23 @@ def test_a_side_call_on_a_fresh_prompt_is_its_own_history_and_main_stays_main() 
     assert _roles(t) == ["system", "user", "choice", "tool", "choice"] and t.tools == TOOLS
     (h,) = t.additional_histories
     assert h.trainable and _roles(h) == ["user", "choice"] and h.tools is None
+
+
+def test_fill_keeps_what_the_trajectory_held_and_needs_a_trainable_main() -> None:
+    m1 = _call([SYSTEM, USER], PROMPT, [10, 11], lookup=7)
+    side = _call([{"role": "user", "content": "Which order?"}], [9, 9], [70], text="7", tools=None)
+    earlier = jm.History(messages_and_choices=[USER], trainable=False)
+    t = fill_histories(jm.Trajectory(additional_histories=[earlier], reward=2.0), join_calls([side, m1]))
+    # main is the first trainable history (here the side call, served first); earlier ones stay first
+    assert _roles(t) == ["user", "choice"] and t.reward == 2.0
+    assert [_roles(h) for h in t.additional_histories] == [["user"], ["system", "user", "choice"]]
+    # nothing trainable (every partition untrained): the conversation stays as it was
+    kept = jm.Trajectory(messages_and_choices=[SYSTEM, USER])
+    fill_histories(kept, join_calls([m1], ["judge"], trained=set()))
+    assert _roles(kept) == ["system", "user"]
+    assert [(h.trainable, _roles(h)) for h in kept.additional_histories] == [
+        (False, ["system", "user", "choice"])
+    ]
 
 
 def test_foreign_calls_join_by_messages_when_the_tools_match() -> None:

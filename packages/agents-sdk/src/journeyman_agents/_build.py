@@ -2,7 +2,7 @@
 
 Each call the endpoint served for a run is joined to the model-call span the SDK traced for it
 (see `_tracing`), which names the agent. The calls then form histories by core's one rule
-(`journeyman.rollout.histories`), partitioned by agent: an agent's tool loop is one token sequence, and
+(`journeyman.adapters.Episode.join`), partitioned by agent: an agent's tool loop is one token sequence, and
 after a handoff the specialist has its own system prompt, so it gets its own history.
 
 The first trained history is the trajectory's main conversation; the others are additional
@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from journeyman import CapturedCall, Trajectory
-from journeyman.chat.messages import assistant_key
-from journeyman.rollout.histories import join_calls, main_first, trajectory_of
+from journeyman.adapters import Episode, assistant_key
 
 from ._tracing import SpanInfo, agent_of
 
@@ -50,9 +49,19 @@ def build_trajectory(
     trained_agents: Collection[str] | None = None,
 ) -> Trajectory:
     """The run's trajectory; `trained_agents=None` trains every agent's calls."""
+    return fill_trajectory(Episode(), calls, spans, trained_agents)
+
+
+def fill_trajectory(
+    episode: Episode,
+    calls: list[CapturedCall],
+    spans: list[SpanInfo],
+    trained_agents: Collection[str] | None = None,
+) -> Trajectory:
+    """Join `calls` (partitioned by the agent behind each) onto `episode`'s trajectory."""
     agents = agents_of_calls(calls, spans)
-    histories = main_first(join_calls(calls, agents, trained=trained_agents))
-    trajectory = trajectory_of(histories)
+    histories = episode.join(calls, agents, trained=trained_agents)
+    trajectory = episode.trajectory
     trajectory.metadata["agents"] = [h.partition for h in histories]
     trajectory.metrics["llm_calls"] = len(calls)
     if calls and all(a is None for a in agents):

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Literal
 from agents.models.interface import Model, ModelProvider
 from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
 from agents.models.openai_responses import OpenAIResponsesModel
-from journeyman.errors import InvalidFieldError
+from journeyman import InvalidFieldError
 
 if TYPE_CHECKING:
     from journeyman import TrainableModel

@@ -4,14 +4,14 @@ Per run:
 - `RunConfig.model_provider` becomes a `JourneymanModelProvider`, so every agent whose model is a
   name (or unset) is served by the trainable model; agents, tools, handoffs, MCP servers,
   guardrails and the user's hooks and trace processors are left as they are.
-- The run happens inside a capture scope: the endpoint files each call it serves for this run (with
-  its exact token records) under the run's capture id. The id lives in a ContextVar, so concurrent
-  runs (separate asyncio tasks) never share calls.
+- The run is an `Episode` (`journeyman.adapters`): the endpoint files each call it serves for this
+  run (with its exact token records) under the run's capture id. The id lives in a ContextVar, so
+  concurrent runs (separate asyncio tasks) never share calls.
 - The run's trace is watched by the `SpanCollector` trace processor, which says which agent made
   each call. Calls and spans are joined per request into the trajectory (`_build`).
 - A run that raises (`MaxTurnsExceeded`, a guardrail tripwire, `ModelBehaviorError`) is still a
   trajectory of the calls made before the error, with `error` set, under `on_error="score"` (the
-  default; `journeyman.data.failures`). The SDK's `UserError` (a misconfigured agent) always re-raises.
+  default; `journeyman.adapters.Episode`). The SDK's `UserError` (a misconfigured agent) always re-raises.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from agents.exceptions import UserError
 from agents.result import RunResult, RunResultStreaming
 from agents.stream_events import StreamEvent
 from agents.tracing import gen_trace_id, get_current_trace
-from journeyman import CapturedCall, RolloutException, capture_scope
-from journeyman.data.failures import ErrorReward, OnError, check_on_error, settle_failed_run
+from journeyman import RolloutException
+from journeyman.adapters import Episode, ErrorReward, OnError, check_on_error
 
-from ._build import build_trajectory
+from ._build import fill_trajectory
 from ._provider import JourneymanModelProvider, ModelAPI
 from ._tracing import collector
 
@@ -59,21 +59,20 @@ class StreamedAgentRun:
     """
 
     def __init__(
-        self, runner: TrainableRunner, result: RunResultStreaming, capture_id: str, trace_id: str
+        self, runner: TrainableRunner, result: RunResultStreaming, episode: Episode, trace_id: str
     ) -> None:
         self.result = result
         self._runner = runner
-        self._capture_id = capture_id
+        self._episode = episode
         self._trace_id = trace_id
         self._trajectory: Trajectory | None = None
-        self._error: Exception | None = None
 
     async def stream_events(self) -> AsyncIterator[StreamEvent]:
         try:
             async for event in self.result.stream_events():
                 yield event
         except Exception as e:
-            self._error = e
+            self._episode.fail(e)
             if self._runner.on_error == "raise":
                 await self._settle()  # frees what the endpoint filed for the run, then re-raises `e`
 
@@ -89,10 +88,9 @@ class StreamedAgentRun:
     async def _settle(self) -> Trajectory:
         # the SDK's own property covers a stream consumed through `result.stream_events()`
         late = self.result.run_loop_exception
-        error = self._error or (late if isinstance(late, Exception) else None)
-        return await self._runner._finish(
-            self._capture_id, self._trace_id, self.result if error is None else None, error
-        )
+        if self._episode.error is None and isinstance(late, Exception):
+            self._episode.fail(late)
+        return await self._runner._finish(self._episode, self._trace_id, self.result)
 
 
 class TrainableRunner:
@@ -110,7 +108,7 @@ class TrainableRunner:
     `"score"` (default) returns `AgentRun(None, trajectory)`, the trajectory holding the calls made
     before the error, `error` set and reward `error_reward` (a number or a function of the
     trajectory); `"drop"` raises `RolloutDroppedError` (a group counts it as dropped); `"raise"`
-    re-raises. Service failures and the SDK's `UserError` always re-raise (`journeyman.data.failures`).
+    re-raises. Service failures and the SDK's `UserError` always re-raise (`journeyman.adapters.Episode`).
     """
 
     def __init__(
@@ -137,34 +135,28 @@ class TrainableRunner:
         config = dataclasses.replace(config, model_provider=self.provider, trace_id=trace_id)
         return config, trace_id
 
-    async def _calls(self, capture_id: str) -> list[CapturedCall]:
-        return (await self.model.pop_captures([capture_id]))[capture_id]
+    def _episode(self) -> Episode:
+        return Episode(self.model, on_error=self.on_error, error_reward=self.error_reward)
 
     async def _finish(
-        self,
-        capture_id: str,
-        trace_id: str,
-        result: RunResult | RunResultStreaming | None,
-        error: Exception | None = None,
+        self, episode: Episode, trace_id: str, result: RunResult | RunResultStreaming | None
     ) -> Trajectory:
-        """The run's trajectory; for a run that raised `error`, settled by `on_error` (may raise)."""
-        trajectory = build_trajectory(
-            await self._calls(capture_id), self._collector.release(trace_id), self.trained_agents
-        )
+        """The run's trajectory; for a run that raised, settled by `on_error` (may raise)."""
+        calls = [c.call for c in await episode.calls()]
+        trajectory = fill_trajectory(episode, calls, self._collector.release(trace_id), self.trained_agents)
         trajectory.metadata["trace_id"] = trace_id
-        if result is None and error is not None:
+        error = episode.error
+        if error is not None:
             if isinstance(error, UserError):  # the agent's setup is wrong, not the policy
                 raise error
             run_data = getattr(error, "run_data", None)
             if run_data is not None:
                 trajectory.metadata["last_agent"] = run_data.last_agent.name
-            return settle_failed_run(trajectory, error, self.on_error, self.error_reward)
-        if result is not None:
+        elif result is not None:
             trajectory.metadata["last_agent"] = result.last_agent.name
             if isinstance(result.final_output, str):
                 trajectory.metadata["final_output"] = result.final_output
-        trajectory.metrics["errored"] = False
-        return trajectory
+        return episode.settle()
 
     async def run(
         self, starting_agent: Agent[Any], input: Any, *, run_config: RunConfig | None = None, **kwargs: Any
@@ -175,18 +167,16 @@ class TrainableRunner:
         """
         config, trace_id = self._config(run_config)
         self._collector.watch(trace_id)
-        error: Exception | None = None
+        episode = self._episode()
         result: RunResult | None = None
-        with capture_scope() as capture_id:
-            try:
+        try:
+            with episode.running():  # an Exception is kept: settled below, with the calls before it
                 result = await Runner.run(starting_agent, input, run_config=config, **kwargs)
-            except Exception as e:
-                error = e  # settled below, with the calls the endpoint filed before it
-            except BaseException:  # cancelled or interrupted: free what the endpoint filed
-                await self._calls(capture_id)
-                self._collector.release(trace_id)
-                raise
-        return AgentRun(result, await self._finish(capture_id, trace_id, result, error))
+        except BaseException:  # cancelled or interrupted: free what the endpoint filed
+            await episode.discard()
+            self._collector.release(trace_id)
+            raise
+        return AgentRun(result, await self._finish(episode, trace_id, result))
 
     def run_streamed(
         self, starting_agent: Agent[Any], input: Any, *, run_config: RunConfig | None = None, **kwargs: Any
@@ -194,7 +184,8 @@ class TrainableRunner:
         """`Runner.run_streamed(...)` on `model`; the returned object streams and gives the trajectory."""
         config, trace_id = self._config(run_config)
         self._collector.watch(trace_id)
+        episode = self._episode()
         # The SDK starts the run loop as a task here; the task copies this context, capture id included.
-        with capture_scope() as capture_id:
+        with episode.capture():
             result = Runner.run_streamed(starting_agent, input, run_config=config, **kwargs)
-        return StreamedAgentRun(self, result, capture_id, trace_id)
+        return StreamedAgentRun(self, result, episode, trace_id)

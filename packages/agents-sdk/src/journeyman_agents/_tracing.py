@@ -28,7 +28,7 @@ from agents.tracing import (
     TurnSpanData,
     add_trace_processor,
 )
-from journeyman.chat.messages import assistant_key
+from journeyman.adapters import assistant_key
 
 
 @dataclass

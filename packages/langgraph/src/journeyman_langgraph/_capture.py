@@ -16,7 +16,6 @@ threads and tasks that run nodes, so concurrent episodes never see each other's 
 from __future__ import annotations
 
 import threading
-import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,17 +23,18 @@ from uuid import UUID
 
 import httpx
 from journeyman import CAPTURE_HEADER, CapturedCall
+from journeyman.adapters import Episode
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook
 
 if TYPE_CHECKING:
-    from journeyman import TrainableModel, Trajectory
+    from journeyman import TrainableModel
 
 TRAINABLE_TAG = "journeyman:trainable"
 """LangChain tag that marks a chat model or runnable as the trained policy (set by `trainable`)."""
 
-_episode: ContextVar[Episode | None] = ContextVar("journeyman_langgraph_episode", default=None)
+_episode: ContextVar[GraphEpisode | None] = ContextVar("journeyman_langgraph_episode", default=None)
 _trainable_scope: ContextVar[bool] = ContextVar("journeyman_langgraph_trainable", default=False)
 _llm_run: ContextVar[LLMRun | None] = ContextVar("journeyman_langgraph_llm_run", default=None)
 _handler: ContextVar[EpisodeHandler | None] = ContextVar("journeyman_langgraph_handler", default=None)
@@ -46,7 +46,7 @@ class LLMRun:
     """LangChain's view of one chat-model call."""
 
     run_id: UUID
-    episode: Episode
+    episode: GraphEpisode
     node: str | None
     trainable: bool
     model_name: str | None
@@ -59,40 +59,37 @@ class Request:
     """One HTTP request that the endpoint will file under `capture_id`."""
 
     capture_id: str
-    seq: int
     run: LLMRun | None
     node: str | None
 
 
 @dataclass
-class Episode:
-    """The calls of one run of a `@trajectory` function."""
+class GraphEpisode:
+    """One run of a `@trajectory` function: core's `Episode` (capture ids, calls, the Trajectory)
+    plus LangChain's view of its requests."""
 
     model: TrainableModel
+    episode: Episode
     base_url: str
-    trajectory: Trajectory
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    requests: list[Request] = field(default_factory=list)
+    requests: dict[str, Request] = field(default_factory=dict)
     runs: dict[UUID, LLMRun] = field(default_factory=dict)
     untrained_calls: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def new_request(self, run: LLMRun | None, node: str | None) -> str:
+        cid = self.episode.new_capture_id()
         with self.lock:
-            seq = len(self.requests)
-            req = Request(f"{self.id}.{seq}", seq, run, node)
-            self.requests.append(req)
+            self.requests[cid] = Request(cid, run, node)
             if run is not None:
                 run.requests += 1
-            return req.capture_id
+        return cid
 
     async def pop_calls(self) -> list[tuple[Request, CapturedCall]]:
         """Take this episode's calls off the endpoint (one round trip), in request order."""
-        filed = await self.model.pop_captures([req.capture_id for req in self.requests])
-        return [(req, c) for req in self.requests for c in filed[req.capture_id]]
+        return [(self.requests[c.capture_id], c.call) for c in await self.episode.calls() if c.capture_id]
 
 
-def current_episode() -> Episode | None:
+def current_episode() -> GraphEpisode | None:
     """The episode of the `@trajectory` function running in this context, if any."""
     return _episode.get()
 
@@ -131,7 +128,7 @@ class EpisodeHandler(BaseCallbackHandler):
     def ignore_custom_event(self) -> bool:
         return True
 
-    def __init__(self, episode: Episode) -> None:
+    def __init__(self, episode: GraphEpisode) -> None:
         self.episode = episode
 
     def on_chat_model_start(

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar, overload
 
-from journeyman import InvalidFieldError, TrainableModel, Trajectory
-from journeyman.data.failures import ErrorReward, OnError, check_on_error, settle_failed_run
-from journeyman.rollout.histories import histories_of
+from journeyman import CapturedCall, InvalidFieldError, TrainableModel, Trajectory
+from journeyman.adapters import Episode, ErrorReward, OnError, check_on_error
 from langchain_core.language_models import BaseChatModel
 from langchain_core.runnables import Runnable, RunnableBinding
 
@@ -41,32 +41,61 @@ def _reward(value: Any, where: str) -> tuple[float, dict[str, float | int | bool
 
 
 class _EpisodeScope:
-    """Sets the episode's ContextVars for the duration of one call, then builds the Trajectory."""
+    """One call of a `@trajectory` function: its ContextVars while it runs, then its Trajectory."""
 
-    def __init__(self, model: TrainableModel, name: str) -> None:
+    def __init__(
+        self, model: TrainableModel, name: str, on_error: OnError, error_reward: ErrorReward
+    ) -> None:
         self.name = name
-        self.episode = cap.Episode(model=model, base_url=model.inference_base_url, trajectory=Trajectory())
-        self.episode.trajectory.metadata["episode"] = name
+        episode = Episode(model, on_error=on_error, error_reward=error_reward)
+        episode.trajectory.metadata["episode"] = name
+        self.graph = cap.GraphEpisode(model=model, episode=episode, base_url=model.inference_base_url)
+        self.episode = episode
 
-    def __enter__(self) -> cap.Episode:
-        self._tokens = (
-            cap._episode.set(self.episode),
-            cap._handler.set(cap.EpisodeHandler(self.episode)),
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The function runs inside: an Exception it raises is kept for `finish` (core's `Episode`);
+        the capture ids are stamped per request by the HTTP hook (`_capture.stamp`)."""
+        tokens = (
+            cap._episode.set(self.graph),
+            cap._handler.set(cap.EpisodeHandler(self.graph)),
             cap._llm_run.set(None),
             cap._trainable_scope.set(False),
         )
-        return self.episode
-
-    def __exit__(self, *exc: object) -> None:
-        ep_t, h_t, run_t, scope_t = self._tokens
-        cap._trainable_scope.reset(scope_t)
-        cap._llm_run.reset(run_t)
-        cap._handler.reset(h_t)
-        cap._episode.reset(ep_t)
+        try:
+            with self.episode.running(capture=False):
+                yield
+        finally:
+            ep_t, h_t, run_t, scope_t = tokens
+            cap._trainable_scope.reset(scope_t)
+            cap._llm_run.reset(run_t)
+            cap._handler.reset(h_t)
+            cap._episode.reset(ep_t)
 
     async def finish(self, result: Any) -> Trajectory:
-        """The episode returned `result` (its reward, or ART style its Trajectory)."""
-        calls = await self._pop()  # first: a refused return value must not strand them on the endpoint
+        """The function returned `result` (its reward, or ART style its Trajectory) or raised: its
+        calls become the trajectory, settled by `on_error` when it raised (may raise)."""
+        calls = _latest_per_run(await self.graph.pop_calls())  # first: nothing stays on the endpoint
+        if self.episode.error is None:
+            self._take_result(result)
+        t = self.episode.trajectory  # keeps what the function put on current_trajectory()
+        if not self.episode.join([c for _, c in calls]):  # one partition: calls join across nodes
+            t.log("no trainable LLM call was captured: mark the policy with `trainable` (node or chat model)")
+        graph = self.graph
+        for run in graph.runs.values():
+            if run.trainable and run.requests == 0 and run.model_name == graph.model.name:
+                t.log(
+                    f"a trainable call (node {run.node!r}) reached no Journeyman hook: build its chat model "
+                    "with journeyman_langgraph.chat_model(model) or pass it through trainable()"
+                )
+        t.metadata["langgraph_nodes"] = [req.node for req, _ in calls]
+        t.metadata["untrained_calls"] = graph.untrained_calls
+        t = self.episode.settle()
+        for line in t.logs:
+            log.warning("%s: %s", self.name, line)
+        return t
+
+    def _take_result(self, result: Any) -> None:
         t = self.episode.trajectory
         if isinstance(result, Trajectory):  # ART style: the function built the Trajectory itself
             if result.messages_and_choices:
@@ -79,53 +108,14 @@ class _EpisodeScope:
             result.metrics = {**t.metrics, **result.metrics}
             result.logs = [*t.logs, *result.logs]
             result.additional_histories = [*t.additional_histories, *result.additional_histories]
-            t = result
+            self.episode.trajectory = result
         else:
             t.reward, metrics = _reward(result, self.name)
             t.metrics = {**t.metrics, **metrics}
-        self._fill(t, calls)
-        t.metrics["errored"] = False
-        self._warn(t)
-        return t
-
-    async def failed(self, error: BaseException, on_error: OnError, error_reward: ErrorReward) -> Trajectory:
-        """The episode raised: its calls so far become the trajectory, settled by `on_error` (may raise)."""
-        calls = await self._pop()  # whatever the outcome: nothing is left on the endpoint
-        t = self.episode.trajectory  # keeps what the function put on current_trajectory() before
-        self._fill(t, calls)
-        t = settle_failed_run(t, error, on_error, error_reward)
-        self._warn(t)
-        return t
-
-    async def _pop(self) -> list[tuple[cap.Request, Any]]:
-        return _latest_per_run(await self.episode.pop_calls())
-
-    def _fill(self, t: Trajectory, calls: list[tuple[cap.Request, Any]]) -> None:
-        """Put the episode's calls on `t` as its histories."""
-        ep = self.episode
-        hs = histories_of([c for _, c in calls])  # one partition: the policy's calls join across nodes
-        if hs:
-            t.messages_and_choices = hs[0].messages_and_choices
-            t.tools = hs[0].tools
-            t.additional_histories = [*t.additional_histories, *hs[1:]]
-        else:
-            t.log("no trainable LLM call was captured: mark the policy with `trainable` (node or chat model)")
-        for run in ep.runs.values():
-            if run.trainable and run.requests == 0 and run.model_name == ep.model.name:
-                t.log(
-                    f"a trainable call (node {run.node!r}) reached no Journeyman hook: build its chat model "
-                    "with journeyman_langgraph.chat_model(model) or pass it through trainable()"
-                )
-        t.metadata["langgraph_nodes"] = [req.node for req, _ in calls]
-        t.metadata["untrained_calls"] = ep.untrained_calls
-
-    def _warn(self, t: Trajectory) -> None:
-        for line in t.logs:
-            log.warning("%s: %s", self.name, line)
 
     async def discard(self) -> None:
-        """The episode was cancelled or interrupted: free what the endpoint filed for it."""
-        await self.episode.pop_calls()
+        """The function was cancelled or interrupted: free what the endpoint filed for it."""
+        await self.episode.discard()
 
 
 def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -139,7 +129,9 @@ def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
         return pool.submit(asyncio.run, coro).result()
 
 
-def _latest_per_run(calls: list[tuple[cap.Request, Any]]) -> list[tuple[cap.Request, Any]]:
+def _latest_per_run(
+    calls: list[tuple[cap.Request, CapturedCall]],
+) -> list[tuple[cap.Request, CapturedCall]]:
     """A client retry can file one LangChain call twice: keep the last filed request of each run."""
     last: dict[Any, int] = {}
     for i, (req, _) in enumerate(calls):
@@ -172,7 +164,7 @@ def trajectory(
     `"score"` (default) returns the trajectory of the calls made before the error, `error` set and
     reward `error_reward` (a number, or a function of the trajectory); `"drop"` raises
     `RolloutDroppedError` (a group counts it as dropped); `"raise"` re-raises the exception.
-    Service failures (endpoint unreachable, 5xx, timeouts) always re-raise (`journeyman.data.failures`).
+    Service failures (endpoint unreachable, 5xx, timeouts) always re-raise (`journeyman.adapters.Episode`).
     """
     if not isinstance(model, TrainableModel):
         raise InvalidFieldError(
@@ -186,12 +178,11 @@ def trajectory(
 
             @functools.wraps(fn)
             async def arun(*args: P.args, **kwargs: P.kwargs) -> Trajectory:
-                scope = _EpisodeScope(model, name)
+                scope = _EpisodeScope(model, name, policy, error_reward)
+                result = None
                 try:
-                    with scope:
+                    with scope.running():
                         result = await fn(*args, **kwargs)
-                except Exception as e:
-                    return await scope.failed(e, policy, error_reward)
                 except BaseException:
                     await scope.discard()
                     raise
@@ -201,12 +192,11 @@ def trajectory(
 
         @functools.wraps(fn)
         def run(*args: P.args, **kwargs: P.kwargs) -> Trajectory:
-            scope = _EpisodeScope(model, name)
+            scope = _EpisodeScope(model, name, policy, error_reward)
+            result = None
             try:
-                with scope:
+                with scope.running():
                     result = fn(*args, **kwargs)
-            except Exception as e:
-                return _run_sync(scope.failed(e, policy, error_reward))
             except BaseException:
                 _run_sync(scope.discard())
                 raise
@@ -219,10 +209,10 @@ def trajectory(
 
 def current_trajectory() -> Trajectory:
     """The Trajectory the current `@trajectory` episode is building (to add logs, metadata, metrics)."""
-    ep = cap._episode.get()
-    if ep is None:
+    graph = cap._episode.get()
+    if graph is None:
         raise InvalidFieldError("current_trajectory()", None, "called outside a @trajectory(model) function")
-    return ep.trajectory
+    return graph.episode.trajectory
 
 
 M = TypeVar("M", bound=BaseChatModel)

@@ -1,7 +1,11 @@
 """One multi-turn tool-use episode of the policy against the real MCP server → a Trajectory.
 
-The policy sees the task, the server's tools and a `complete_task` tool. Every completion is kept
-as the endpoint's Choice (its exact token record rides along), every tool result as a tool message.
+The policy sees the task, the server's tools and a `complete_task` tool. The loop holds every
+completion itself (the endpoint's exact token record rides on its Choice), so it `record`s each call
+on an `Episode` (`journeyman.adapters`), which joins them into the trajectory by core's one rule: a
+tool loop is one history, anything that does not continue it (should the endpoint's splice ever
+fail) a history of its own, never silently merged. Tool results the model never read (those of its
+last turn) follow the main history, for the judge.
 Tool errors, bad arguments and timeouts go back to the model as tool results; only a server that
 goes away fails the rollout.
 
@@ -19,7 +23,7 @@ import json
 from typing import Any
 
 import journeyman as jm
-from journeyman.chat.messages import message_of_choice
+from journeyman.adapters import Episode, message_of_choice
 from openai import BadRequestError
 from pydantic import BaseModel, Field
 
@@ -62,7 +66,12 @@ class RolloutConfig(BaseModel):
         default=1, ge=0, description="first turns that must be a tool call (tool_choice=required)"
     )
     max_tokens: int = Field(default=96, ge=8, description="max_tokens per model turn")
-    temperature: float = Field(default=1.0, ge=0, le=2)
+    temperature: float = Field(
+        default=1.0,
+        ge=0,
+        le=2,
+        description="sampling temperature of training rollouts and sampled evaluation",
+    )
     tool_timeout: float = Field(default=30.0, gt=0, description="seconds per tool call")
     tool_result_chars: int = Field(
         default=1200, ge=50, description="longer tool results are cut for the model"
@@ -114,11 +123,10 @@ async def rollout(
         {"role": "system", "content": system_prompt(info)},
         {"role": "user", "content": scenario.task},
     ]
-    traj = jm.Trajectory(
-        messages_and_choices=list(messages),
-        tools=tools,
-        metadata={"scenario_id": scenario.id, "task": scenario.task, "difficulty": scenario.difficulty},
-    )
+    # a rollout that raises fails (its group counts it): nothing here is settled as a kept failure
+    episode = Episode(on_error="raise")
+    traj = episode.trajectory
+    traj.metadata = {"scenario_id": scenario.id, "task": scenario.task, "difficulty": scenario.difficulty}
     m: dict[str, Any] = {
         "turns": 0,
         "tool_calls": 0,  # well-formed calls of a server tool
@@ -130,6 +138,7 @@ async def rollout(
     }
     ok_tools: set[str] = set()
     used = 0.0  # sum over turns of the fraction of max_tokens sampled
+    sent = len(messages)  # messages of the latest request; its answer and tool results follow
     for turn in range(cfg.max_turns):
         kwargs: dict[str, Any] = {}
         if turn < cfg.forced_turns:
@@ -157,11 +166,15 @@ async def rollout(
                 temperature=cfg.temperature,
             )
         choice = completion.choices[0]
+        served = jm.CapturedCall(
+            request_messages=list(messages), tools=tools, response=completion.model_dump()
+        )
+        episode.record(served)
         m["turns"] += 1
         m["truncated"] += int(choice.finish_reason == "length")
         record = jm.record_of(choice)
         used += len(record.token_ids) / cfg.max_tokens if record else 1.0
-        traj.messages_and_choices.append(choice)
+        sent = len(messages)
         msg = message_of_choice(choice)
         messages.append(msg)
         calls = choice.message.tool_calls or []
@@ -196,9 +209,7 @@ async def rollout(
                 traj.log(
                     f"{fn.name}({json.dumps(args)[:200]}) -> {'ERROR ' if out.is_error else ''}{text[:200]!r}"
                 )
-            tool_msg = {"role": "tool", "tool_call_id": call.id, "content": text}
-            messages.append(tool_msg)
-            traj.messages_and_choices.append(tool_msg)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
         if done:
             m["completed"] = True
             break
@@ -211,6 +222,11 @@ async def rollout(
         m["success"] = passed == len(scenario.checks)
     else:
         m["success"] = m["target_tool_ok"]
+    # exact=False: a baseline's calls carry no token records and join by their messages
+    histories = episode.join([c.call for c in await episode.calls()], exact=False)
+    main = histories[0] if histories and histories[0].trainable else None
+    if main is not None and main.calls[-1] == m["turns"] - 1:  # the last answer is main's: its results follow
+        traj.messages_and_choices = [*traj.messages_and_choices, *messages[sent + 1 :]]
     traj.metrics = m
     traj.reward = independent_reward(m, cfg)
-    return traj
+    return episode.settle()

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
-from journeyman.errors import InvalidFieldError, JourneymanError
+from journeyman import InvalidFieldError, JourneymanError
 from pydantic import BaseModel, Field
 
 Transport = Literal["stdio", "http", "sse"]

@@ -18,8 +18,8 @@ import math
 from typing import Literal
 
 import journeyman as jm
-from journeyman.rewards.llm import LLMSpec, spec_label
-from journeyman.rewards.ruler import RulerConfig, ruler_score_group
+from journeyman import RulerConfig, ruler_score_group
+from journeyman.adapters import LLMSpec, spec_label
 from pydantic import BaseModel, Field
 
 from .reward import JUDGE_CONFIG, RUBRIC

@@ -193,19 +193,33 @@ def histories_of(
     return [h.history() for h in main_first(join_calls(calls, partition, trained=trained, exact=exact))]
 
 
+def fill_histories(trajectory: Trajectory, histories: Sequence[CallHistory]) -> Trajectory:
+    """Put `histories` on `trajectory`: the main one (the first trainable) as its conversation and
+    tools, the others appended to its `additional_histories`; with no trainable history its
+    conversation is left as it is. Returns `trajectory`."""
+    ordered = main_first(histories)
+    main = ordered[0] if ordered and ordered[0].trainable else None
+    others = ordered[1:] if main is not None else ordered
+    if main is not None:
+        trajectory.messages_and_choices = main.items
+        trajectory.tools = main.tools
+    trajectory.additional_histories = [*trajectory.additional_histories, *(h.history() for h in others)]
+    return trajectory
+
+
 def trajectory_of(histories: Sequence[CallHistory], **fields: Any) -> Trajectory:
     """A Trajectory whose conversation is the main history (the first trainable one), the others
     kept as `additional_histories`; with no trainable history it has no messages of its own.
     `fields` are further Trajectory fields (reward, metadata, ...)."""
-    ordered = main_first(histories)
-    main = ordered[0] if ordered and ordered[0].trainable else None
-    others = ordered[1:] if main is not None else ordered
-    return Trajectory(
-        messages_and_choices=main.items if main else [],
-        tools=main.tools if main else None,
-        additional_histories=[h.history() for h in others],
-        **fields,
-    )
+    return fill_histories(Trajectory(**fields), histories)
 
 
-__all__ = ["CallHistory", "extends", "histories_of", "join_calls", "main_first", "trajectory_of"]
+__all__ = [
+    "CallHistory",
+    "extends",
+    "fill_histories",
+    "histories_of",
+    "join_calls",
+    "main_first",
+    "trajectory_of",
+]
