@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from journeyman.integrations.langfuse import (
     META_KEY,
     TRACE_ID_KEY,
     LangfuseExporter,
+    ReviewQuery,
+    ReviewScore,
     export_to_langfuse,
     fetch_review_set,
 )
@@ -198,6 +201,7 @@ async def test_export_sends_one_trace_per_trajectory_with_generations_tools_and_
             assert len(gens) == len(choices)
             for span, (h, pos, choice) in zip(gens, choices, strict=True):
                 record = jm.record_of(choice)
+                assert record is not None
                 request = _lf(span, "langfuse.observation.input")
                 sent = request["messages"] if isinstance(request, dict) else request
                 assert sent == h.messages()[:pos]
@@ -413,6 +417,69 @@ async def test_cli_pulls_the_review_set_and_trains_one_step(
         runner.invoke, app, ["train", "--score", "nobody-uses-this", "--dry-run"], env=env
     )
     assert dry.exit_code == 1 and "skipped:" in dry.output and "no score" in dry.output
+
+
+async def test_review_query_states_each_filter_once_and_keywords_still_work() -> None:
+    one_each: dict[str, Any] = {"score": "human", "tags": "journeyman", "score_source": "ANNOTATION"}
+    q = ReviewQuery(**one_each, since=datetime(2026, 1, 2))
+    assert (q.score, q.tags, q.score_source) == (["human"], ["journeyman"], ["ANNOTATION"])
+    assert q.since == datetime(2026, 1, 2, tzinfo=UTC)  # a naive time is UTC, as the CLI always said
+
+    def best(scores: list[ReviewScore]) -> float | None:
+        return max(s.value or 0.0 for s in scores)
+
+    assert ReviewQuery(score=["h"], combine=best).combine is best  # a function stays a function
+    for field, bad in [
+        ("score", {"score": ""}),
+        ("score", {"score": []}),
+        ("combine", {"score": "h", "combine": "median"}),
+        ("min_group_size", {"score": "h", "min_group_size": 0}),
+    ]:
+        with pytest.raises(jm.InvalidFieldError) as e:
+            ReviewQuery(**bad)
+        assert e.value.field == field
+    # keywords build the query, and replace a given query's fields; refused before any request
+    with pytest.raises(jm.InvalidFieldError) as e:
+        await fetch_review_set(ReviewQuery(score=["human"]), min_group_size=0, host="http://127.0.0.1:9")
+    assert e.value.field == "min_group_size"
+
+
+async def test_two_programs_in_one_process_each_export_to_their_own(receiver: Any) -> None:
+    """Export belongs to the context that turned it on: two task trees, two exporters, neither
+    replacing the other, each exporting only the trajectories announced in its own tree."""
+
+    async def program(tag: str, steps: int) -> LangfuseExporter:
+        exporter = export_to_langfuse(receiver.public_key, receiver.secret_key, receiver.host, tags=[tag])
+        for step in range(steps):
+            group = jm.TrajectoryGroup(
+                [
+                    jm.Trajectory(
+                        messages_and_choices=[
+                            {"role": "user", "content": "q"},
+                            {"role": "assistant", "content": "a"},
+                        ],
+                        reward=float(i),
+                    )
+                    for i in range(2)
+                ]
+            )
+            emit([group], GroupContext(project="p", model="m", step=step, split="val", source="log"))
+            await asyncio.sleep(0.01)  # the other program runs in between
+        assert exporter.flush(30)
+        return exporter
+
+    tags = [f"program-{uuid.uuid4().hex[:6]}" for _ in range(2)]
+    first, second = await asyncio.gather(
+        asyncio.create_task(program(tags[0], 1)), asyncio.create_task(program(tags[1], 2))
+    )
+    try:
+        assert not first.closed and not second.closed
+        assert (first.stats.exported, second.stats.exported) == (2, 4)
+        counts = [sum(tag in t["tags"] for t in receiver.traces.values()) for tag in tags]
+        assert counts == [2, 4], counts
+    finally:
+        first.close()
+        second.close()
 
 
 # Last: enabling export again replaces (closes) the module's exporter.

@@ -327,3 +327,25 @@ def test_forged_token_records_are_refused_by_field_when_parsed() -> None:
         assert f"messages_and_choices[0].journeyman.{field}" in str(parsed.value)
     with pytest.raises(ValueError):
         jm.TokenRecord.model_validate(_record(logprobs=[-0.5, math.inf]))
+
+
+def test_the_run_layout_names_every_path_once(tmp_path: Path) -> None:
+    from journeyman.data.paths import RunLayout, RunRoot
+
+    layout = RunLayout.of(tmp_path, "p", "m")
+    assert layout.root == tmp_path / "p" / "models" / "m"
+    assert layout.checkpoint(3) == layout.root / "checkpoints" / "0003"
+    assert layout.groups_file("val", 2) == layout.root / "trajectories" / "val" / "0002.jsonl"
+    assert layout.request("k1") == layout.root / "requests" / "k1.json"
+    assert (layout.history.name, layout.state.name) == ("history.jsonl", "state.json")
+    assert RunRoot(tmp_path).tokens == tmp_path / "tokens.json"
+    for bad in ("../up", "a/b"):
+        with pytest.raises(jm.InvalidFieldError):
+            RunLayout.of(tmp_path, bad, "m")
+    with pytest.raises(jm.InvalidFieldError):
+        layout.split_dir("../x")
+    # the store writes where the layout says
+    store = RunStore(layout.root)
+    store.append_history({"step": 0, "split": "val"})
+    store.write_groups([_group("a")], "val", 0)
+    assert layout.history.is_file() and layout.groups_file("val", 0).is_file()

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import journeyman as jm
-from journeyman.app.plot import plot_history
-from pydantic import BaseModel, Field
+from journeyman.adapters import RunLayout, plot_history
+from pydantic import BaseModel, Field, model_validator
 
 from .players import BASE, NONE, Player, policy_player, resolve_against
 from .reward import score_group
@@ -31,53 +31,71 @@ from .winrate import WinRate, win_rate
 Echo = Callable[[str], None]
 
 
+def _mcp_train_config() -> jm.TrainConfig:
+    """MCP·RL's training defaults. Skip groups whose rewards span < 0.05: a group that differs by the
+    length term alone (every rollout failed, or every one succeeded) is not trained on noise. No std
+    scaling (Dr. GRPO): the reward is a 0/1 success plus small shaping terms, and in a group where
+    every rollout failed the scaling would blow those terms up into full-size advantages."""
+    return jm.TrainConfig(learning_rate=1e-4, scale_rewards=False, min_reward_spread=0.05)
+
+
+def _mcp_sft_config() -> jm.SFTConfig:
+    """The SFT warm-up's defaults: two epochs at 2e-4 (a short, small data set of successful runs)."""
+    return jm.SFTConfig(epochs=2, learning_rate=2e-4)
+
+
 class McpRlSettings(BaseModel):
-    """Everything one `mcp-rl` command needs. Its files (scenarios, report, plot) go to `out_dir`,
-    which is the run directory itself on a local backend."""
+    """Everything one `mcp-rl` command needs (the `mcp-rl` options are these fields). Its files
+    (scenarios, report, plot) go to `out_dir`, which is the run directory itself on a local backend."""
 
     server: ServerSpec
     path: Path = Field(
         default=Path(".journeyman"),
         description="run root (as `LocalBackend(path=...)`); the run lives in <path>/<project>/models/<model>",
     )
-    project: str = "mcp-rl"
-    model: str = "mcp-agent"
-    base_model: str | None = None
-    engine: str = "torch"
+    project: str = Field(default="mcp-rl", description="project name (a directory under `path`)")
+    model: str = Field(default="mcp-agent", description="name of the trained model (its run directory)")
+    base_model: str | None = Field(
+        default=None,
+        description="embedded model name, local HF directory or hub id (default: the embedded SmolLM2-135M)",
+    )
+    engine: str = Field(default="torch", description="inference engine: torch (in process) or vllm")
     backend: str | None = Field(
         default=None, description="URL of `journeyman serve` to train on (default: in this process)"
     )
     token: str | None = Field(
-        default=None, repr=False, exclude=True, description="its token ($JOURNEYMAN_TOKEN)"
+        default=None,
+        repr=False,
+        exclude=True,
+        description="the server's token (default: $JOURNEYMAN_TOKEN)",
     )
     tools: list[str] = Field(default_factory=list, description="train on these tools only (all when empty)")
     judge: str = Field(
         default="local",
-        description='"local" (a frozen copy of the base model), "none", a URL or a LiteLLM id',
+        description="RULER judge, for the training reward and the win rate: local (a frozen copy of the base "
+        "model), none, an OpenAI-compatible URL, or a LiteLLM id",
     )
-    judge_model: str | None = None
+    judge_model: str | None = Field(default=None, description="model to ask when `judge` is a URL")
     generator: str = Field(
-        default="local", description='"local" (the policy), "none" (schemas only), a URL or a LiteLLM id'
+        default="local",
+        description="scenario generator: local (the policy), none (tool schemas only), an OpenAI-compatible "
+        "URL, or a LiteLLM id",
     )
-    generator_model: str | None = None
-    scenarios_file: Path | None = None
-    num_scenarios: int = Field(default=16, ge=2)
-    num_eval: int = Field(default=4, ge=1)
-    steps: int = Field(default=3, ge=0)
-    groups_per_step: int = Field(default=2, ge=1)
-    group_size: int = Field(default=4, ge=2)
-    learning_rate: float = Field(default=1e-4, gt=0)
-    min_reward_spread: float = Field(
-        default=0.05,
-        ge=0,
-        description="train only on groups whose rewards span at least this: a group that differs by the "
-        "length term alone (every rollout failed, or every one succeeded) is skipped, not trained on noise",
+    generator_model: str | None = Field(default=None, description="model to ask when `generator` is a URL")
+    scenarios_file: Path | None = Field(
+        default=None,
+        description="read scenarios from this JSON file (as written by `mcp-rl scenarios`); default: the "
+        "run's own, else generated",
     )
-    scale_rewards: bool = Field(
-        default=False,
-        description="divide advantages by the group's reward std (GRPO). Off (Dr. GRPO): the reward is a 0/1 "
-        "success plus small shaping terms, and in a group where every rollout failed the std scaling "
-        "would blow those terms up into full-size advantages",
+    num_scenarios: int = Field(default=16, ge=2, description="scenarios to generate (train + eval)")
+    num_eval: int = Field(default=4, ge=1, description="of those, held out for evaluation")
+    steps: int = Field(default=3, ge=0, description="training steps")
+    groups_per_step: int = Field(default=2, ge=1, description="scenarios per step")
+    group_size: int = Field(default=4, ge=2, description="rollouts per scenario (the GRPO group)")
+    train: jm.TrainConfig = Field(
+        default_factory=_mcp_train_config,
+        description="settings of each training step, with MCP·RL's defaults (`_mcp_train_config`: "
+        "learning_rate 1e-4, scale_rewards off, min_reward_spread 0.05)",
     )
     eval_every: int = Field(
         default=0, ge=0, description="also evaluate every K steps (0: only before and after)"
@@ -88,13 +106,15 @@ class McpRlSettings(BaseModel):
         description="MCP sessions shared by concurrent rollouts (default: one per rollout of a step, at most 32)",
     )
     max_arg_chars: int = Field(
-        default=64, ge=0, description="cap string tool arguments at this many characters (0: off)"
+        default=64,
+        ge=0,
+        description="cap string tool arguments at this many characters, so forced calls always close (0: off)",
     )
     max_exceptions: float = Field(
         default=0.25, ge=0, description="rollouts that may fail per step (count, or fraction < 1)"
     )
-    seed: int = 0
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    seed: int = Field(default=0, description="seed for scenario generation, split and sampling order")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="how each episode runs")
     eval_samples: int = Field(
         default=1,
         ge=0,
@@ -113,7 +133,26 @@ class McpRlSettings(BaseModel):
         description="before RL, fine-tune on the trajectories in this .jsonl (Trajectory or TrajectoryGroup "
         "lines, e.g. successful runs); only when the run starts at step 0",
     )
-    sft: jm.SFTConfig = Field(default_factory=jm.SFTConfig, description="settings of the SFT warm-up")
+    sft: jm.SFTConfig = Field(
+        default_factory=_mcp_sft_config,
+        description="settings of the SFT warm-up, with MCP·RL's defaults (`_mcp_sft_config`)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_train_fields(cls, data: Any) -> Any:
+        """`learning_rate=...` (any TrainConfig field given flat, as before `train` held them) goes into
+        `train`, over the settings' own training defaults."""
+        if not isinstance(data, dict):
+            return data
+        flat = {
+            k: v for k, v in data.items() if k in jm.TrainConfig.model_fields and k not in cls.model_fields
+        }
+        if not flat:
+            return data
+        given = data.get("train")
+        base = dict(given) if isinstance(given, BaseModel) else dict(given or _mcp_train_config())
+        return {**{k: v for k, v in data.items() if k not in flat}, "train": {**base, **flat}}
 
     @property
     def pool_size(self) -> int:
@@ -122,7 +161,7 @@ class McpRlSettings(BaseModel):
 
     @property
     def out_dir(self) -> Path:
-        return self.path / self.project / "models" / self.model
+        return RunLayout.of(self.path, self.project, self.model).root
 
     def open_backend(self) -> jm.Backend:
         return jm.open_backend(self.backend, token=self.token, path=self.path, engine=self.engine)
@@ -459,7 +498,7 @@ async def sft_warmup(
 
 async def connect(settings: McpRlSettings, echo: Echo) -> tuple[SessionPool, ServerInfo]:
     # A stdio server's stderr (often chatty logging) goes to a file in the run directory.
-    errlog = settings.path / settings.project / "models" / settings.model / "mcp_server.log"
+    errlog = settings.out_dir / "mcp_server.log"
     pool = SessionPool(settings.server, size=settings.pool_size, errlog=errlog)
     await pool.__aenter__()
     try:
@@ -540,11 +579,7 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
             evals.append(last[0])
         policy = policy_player(model)
         score = functools.partial(score_group, judge=judge, judge_model=settings.judge_model, backend=backend)
-        config = jm.TrainConfig(
-            learning_rate=settings.learning_rate,
-            scale_rewards=settings.scale_rewards,
-            min_reward_spread=settings.min_reward_spread,
-        )
+        config = settings.train
         rng = random.Random(settings.seed)
         order: list[Scenario] = []
         steps: list[dict[str, Any]] = []
@@ -618,7 +653,7 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
         run_dir = settings.out_dir
         plot = plot_history(
             await model.history(),
-            run_dir / "reward.png",
+            RunLayout(run_dir).reward_plot,
             title=f"mcp-rl: {info.name} ({settings.model}), task success",
             metric="success",
         )

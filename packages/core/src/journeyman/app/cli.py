@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from journeyman.app.langfuse_cli import app as langfuse_app
+from journeyman.app.options import Fields, with_fields
+from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainerConfig
+from journeyman.data.paths import RunLayout, RunRoot
 
 app = typer.Typer(
     help="Journeyman: on-the-job reinforcement learning for LLM agents.",
@@ -18,24 +21,32 @@ app = typer.Typer(
 )
 app.add_typer(langfuse_app, name="langfuse")  # `journeyman langfuse pull|train`
 
+# Options that set a model's fields are derived from them (help, default, type): see app/options.py.
+BASE_MODEL = Fields(ModelConfig, only=["base_model"])
+SFT = Fields(SFTConfig, panel="Fine-tuning (SFTConfig)")
+DEMO_TRAIN = Fields(TrainConfig, only=["learning_rate"], defaults={"learning_rate": 2e-4})  # run_demo's rate
+TRAINER = Fields(TrainerConfig, only=["world_size"])
+
 
 @app.command()
+@with_fields(identity=BASE_MODEL)
 def chat(
     prompt: Annotated[str, typer.Argument(help="what to ask the model")],
-    base_model: Annotated[
-        str, typer.Option(help="embedded model name, local HF directory, or hub id")
-    ] = "smollm2-135m-instruct",
     max_tokens: Annotated[int, typer.Option(help="most tokens to generate")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.7,
     show_tokens: Annotated[bool, typer.Option(help="print the recorded token ids and logprobs")] = False,
     path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
+    *,
+    identity: dict[str, Any],
 ) -> None:
     """Ask the model one question through its OpenAI-compatible endpoint, and show what was recorded."""
     import journeyman as jm
 
+    config = BASE_MODEL.build(identity, name="chat", project="cli")
+
     async def run() -> None:
         backend = jm.LocalBackend(path=path)
-        model = jm.TrainableModel(name="chat", project="cli", base_model=base_model)
+        model = jm.TrainableModel(name=config.name, project=config.project, base_model=config.base_model)
         typer.echo("loading the model...", err=True)
         await model.register(backend)
         try:
@@ -66,11 +77,11 @@ def chat(
 
 
 @app.command()
+@with_fields(train=DEMO_TRAIN, trainer=TRAINER)
 def demo(
     steps: Annotated[int, typer.Option(help="training steps")] = 10,
     prompts_per_step: Annotated[int, typer.Option(help="scenarios per step")] = 8,
     group_size: Annotated[int, typer.Option(help="rollouts per scenario (the GRPO group)")] = 4,
-    learning_rate: Annotated[float, typer.Option(help="AdamW learning rate of the LoRA adapter")] = 2e-4,
     eval_prompts: Annotated[int, typer.Option(help="held-out prompts evaluated before and after")] = 32,
     path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
     name: Annotated[
@@ -80,11 +91,13 @@ def demo(
         str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
     ] = None,
     token: Annotated[str | None, typer.Option(help="the server's token (default: $JOURNEYMAN_TOKEN)")] = None,
-    world_size: Annotated[
-        int, typer.Option(help="data-parallel trainer ranks (this process and world_size - 1 workers)")
-    ] = 1,
+    *,
+    train: dict[str, Any],
+    trainer: dict[str, Any],
 ) -> None:
     """Train the embedded model on the CPU for a few minutes on a built-in task, and show that it learned."""
+    learning_rate = DEMO_TRAIN.build(train).learning_rate
+    world_size = TRAINER.build(trainer).world_size
     from tqdm.auto import tqdm
 
     from journeyman.app.demo import run_demo
@@ -141,19 +154,20 @@ def report(
     from journeyman.app.plot import plot_history
     from journeyman.backends.store import RunStore
 
-    if not (run_dir / "history.jsonl").exists():
+    if not RunLayout(run_dir).history.exists():
         typer.echo(
             f"run_dir={str(run_dir)!r}: no history.jsonl there (is it .journeyman/<project>/models/<name>?)",
             err=True,
         )
         raise typer.Exit(2)
     history = RunStore(run_dir).history()
-    png = plot_history(history, output or run_dir / "reward.png", title=run_dir.name, metric=metric)
+    png = plot_history(history, output or RunLayout(run_dir).reward_plot, title=run_dir.name, metric=metric)
     steps = [r["step"] for r in history if "train/reward" in r]
     typer.echo(f"{len(steps)} training steps; plot: {png}")
 
 
 @app.command()
+@with_fields(identity=BASE_MODEL, sft=SFT)
 def sft(
     file: Annotated[
         Path,
@@ -163,17 +177,9 @@ def sft(
     ],
     name: Annotated[str, typer.Option(help="model name (the same name continues its run)")] = "sft",
     project: Annotated[str, typer.Option(help="project of the model")] = "cli",
-    base_model: Annotated[
-        str, typer.Option(help="embedded model name, local HF directory, or hub id")
-    ] = "smollm2-135m-instruct",
     min_reward: Annotated[
         float | None, typer.Option(help="train only on trajectories with at least this reward")
     ] = None,
-    epochs: Annotated[int, typer.Option(help="passes over the trajectories")] = 1,
-    learning_rate: Annotated[float, typer.Option(help="peak AdamW learning rate of the LoRA adapter")] = 1e-4,
-    batch_size: Annotated[int, typer.Option(help="trajectories per optimizer step")] = 8,
-    lr_schedule: Annotated[str, typer.Option(help="cosine, linear or constant (after warmup)")] = "cosine",
-    warmup_ratio: Annotated[float, typer.Option(help="fraction of the steps spent warming up")] = 0.1,
     path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
     backend: Annotated[
         str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
@@ -182,20 +188,20 @@ def sft(
     report_to: Annotated[
         list[str] | None, typer.Option("--report-to", help="mirror the history to: wandb (repeatable)")
     ] = None,
+    *,
+    identity: dict[str, Any],
+    sft: dict[str, Any],
 ) -> None:
     """Supervised fine-tuning of a model's LoRA adapter on trajectories from FILE: one step of its run,
     so `model.train` (RL) continues from it."""
-    from journeyman.data.config import ModelConfig, SFTConfig
     from journeyman.data.trajectory_file import read_trajectories
     from journeyman.errors import JourneymanError
 
-    try:  # a bad file or setting is one clear line, before any model loads
+    # a bad setting or file is one clear line, before any model loads
+    config = SFT.build(sft)
+    base_model = BASE_MODEL.build(identity, name=name, project=project).base_model
+    try:
         trajectories = read_trajectories(file, min_reward=min_reward)
-        config = SFTConfig.model_validate(
-            {"epochs": epochs, "learning_rate": learning_rate, "batch_size": batch_size,
-             "lr_schedule": lr_schedule, "warmup_ratio": warmup_ratio}
-        )  # fmt: skip
-        ModelConfig(name=name, project=project, base_model=base_model)
     except (JourneymanError, ValueError) as e:
         typer.secho(f"journeyman sft: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
@@ -253,6 +259,13 @@ def serve(
     import os
     import secrets
 
+    from journeyman._extras import require_backend
+
+    try:  # before the server's imports: a light install lacks fastapi
+        require_backend("journeyman serve")
+    except ImportError as e:
+        typer.secho(str(e), fg=typer.colors.RED, err=True)  # says the command and what to install
+        raise typer.Exit(2) from None
     from journeyman.backends.local import LocalBackend
     from journeyman.backends.server import serve as run
 
@@ -298,11 +311,11 @@ def token_add(
     path: _TOKEN_PATH = Path(".journeyman"),
 ) -> None:
     """Add a token and print its secret (shown once; the server keeps only its sha256)."""
-    from journeyman.serving.tokens import SCOPES, TOKENS_FILE, TokenBook
+    from journeyman.serving.tokens import SCOPES, TokenBook
 
     if scope not in SCOPES:
         raise typer.BadParameter(f"use one of {', '.join(SCOPES)}", param_hint="--scope")
-    typer.echo(TokenBook(path / TOKENS_FILE).add(name, scope))  # pyright: ignore[reportArgumentType]
+    typer.echo(TokenBook(RunRoot(path).tokens).add(name, scope))  # pyright: ignore[reportArgumentType]
 
 
 @token_app.command("revoke")
@@ -310,9 +323,9 @@ def token_revoke(
     name: Annotated[str, typer.Argument(help="the token's name")], path: _TOKEN_PATH = Path(".journeyman")
 ) -> None:
     """Revoke a token: the next request that presents it gets a 401."""
-    from journeyman.serving.tokens import TOKENS_FILE, TokenBook
+    from journeyman.serving.tokens import TokenBook
 
-    if not TokenBook(path / TOKENS_FILE).revoke(name):
+    if not TokenBook(RunRoot(path).tokens).revoke(name):
         raise typer.BadParameter(f"no token named {name!r}", param_hint="name")
 
 
@@ -321,9 +334,9 @@ def token_list(path: _TOKEN_PATH = Path(".journeyman")) -> None:
     """The tokens in the file: name, scope, when added (never the secrets)."""
     import time
 
-    from journeyman.serving.tokens import TOKENS_FILE, TokenBook
+    from journeyman.serving.tokens import TokenBook
 
-    for t in TokenBook(path / TOKENS_FILE).tokens():
+    for t in TokenBook(RunRoot(path).tokens).tokens():
         typer.echo(f"{t.name}\t{t.scope}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(t.created_at))}")
 
 

@@ -1,5 +1,7 @@
 """The run directory of one model: checkpoints, trajectories, metric history, resume state.
 
+What each file holds and how it is written (where each lives: `journeyman.data.paths.RunLayout`):
+
 <path>/<project>/models/<name>/
     checkpoints/<step:04d>/   adapter (PEFT format) + optimizer.pt + manifest.json (sizes, sha256)
     trajectories/<split>/<step:04d>.jsonl   one TrajectoryGroup per line: what trained into
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from journeyman.data.config import check_name
+from journeyman.data.paths import HISTORY, SUPERSEDED_HISTORY, RunLayout
 from journeyman.data.types import TrajectoryGroup
 from journeyman.errors import CheckpointError, InvalidFieldError
 
@@ -54,8 +57,6 @@ log = logging.getLogger("journeyman.backends.store")
 
 MANIFEST = "manifest.json"
 ADAPTER_FILE = "adapter_model.safetensors"
-HISTORY = "history.jsonl"
-SUPERSEDED_HISTORY = "history.superseded.jsonl"
 TRAINING_SPLITS = ("train", "sft")
 """Splits whose `<k>` trained into checkpoint k+1; any other split's `<k>` evaluated checkpoint k."""
 
@@ -153,13 +154,16 @@ class Attempt:
 
 
 class RunStore:
+    """Reads and writes one run directory; where each file lives is `RunLayout`'s business."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.layout = RunLayout(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- state -------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        path = self.root / "state.json"
+        path = self.layout.state
         if not path.exists():
             return {"step": 0}
         try:
@@ -200,7 +204,7 @@ class RunStore:
         if attempt is not None:
             last.update(split=attempt.split, step=attempt.step, attempt=attempt.id)
         state = {"step": step, **extra, **({"last": last} if last else {})}
-        write_atomic(self.root / "state.json", dumps(state))
+        write_atomic(self.layout.state, dumps(state))
         try:
             self._finish(state)
         except OSError as e:  # the step is committed: the next commit or resume finishes this
@@ -225,7 +229,7 @@ class RunStore:
         same step, if any. Redone from where a crash cut it: `combined-` holds the merged file."""
         d = self._trajectory_dir(attempt.split)
         src, combined = d / attempt.file("attempt"), d / attempt.file("combined")
-        final = d / f"{attempt.step:04d}.jsonl"
+        final = self.layout.groups_file(attempt.split, attempt.step)
         if not combined.exists():
             if not src.exists():
                 return  # promoted already
@@ -239,7 +243,7 @@ class RunStore:
         _fsync_dir(d)
 
     def _request_path(self, key: str) -> Path:
-        return self.root / "requests" / f"{check_name('idempotency_key', key)}.json"
+        return self.layout.request(key)
 
     def _keep_legacy_requests(self, state: dict[str, Any]) -> None:
         """Runs from before `requests/` kept the last results in state.json: move them to files."""
@@ -265,10 +269,10 @@ class RunStore:
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
-        return self.root / "checkpoints" / f"{step:04d}"
+        return self.layout.checkpoint(step)
 
     def checkpoint_steps(self) -> list[int]:
-        d = self.root / "checkpoints"
+        d = self.layout.checkpoints
         if not d.exists():
             return []
         return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / ADAPTER_FILE).exists())
@@ -368,7 +372,7 @@ class RunStore:
         return good
 
     def _abandon_attempts(self) -> None:
-        for path in sorted((self.root / "trajectories").glob("*/*.attempt-*.jsonl")):
+        for path in sorted(self.layout.trajectories.glob("*/*.attempt-*.jsonl")):
             if m := _ATTEMPT.fullmatch(path.name):
                 to = _free_name(path.parent, f"{m['step']}.abandoned-{m['id']}")
                 log.warning("%s was in flight when the run stopped; kept as %s", path, to.name)
@@ -377,13 +381,13 @@ class RunStore:
 
     def _roll_back(self, step: int, state: dict[str, Any]) -> None:
         # Everything lost is set aside before the state commits: a crash in between redoes it all.
-        for path in sorted((self.root / "trajectories").glob("*/*.jsonl")):
+        for path in sorted(self.layout.trajectories.glob("*/*.jsonl")):
             lost_from = step if path.parent.name in TRAINING_SPLITS else step + 1
             if path.stem.isdigit() and int(path.stem) >= lost_from:
                 os.replace(path, _free_name(path.parent, f"{path.stem}.superseded"))
         self._supersede_history(step)
         self._keep_legacy_requests(state)
-        for path in (self.root / "requests").glob("*"):
+        for path in self.layout.requests.glob("*"):
             try:
                 lost = path.suffix != ".json" or int(json.loads(path.read_text()).get("step", 0)) > step
             except (ValueError, TypeError, AttributeError):
@@ -391,11 +395,11 @@ class RunStore:
             if lost:
                 path.unlink()
         kept = {k: v for k, v in state.items() if k not in ("step", "requests", "last")}
-        write_atomic(self.root / "state.json", dumps({"step": step, **kept}))
+        write_atomic(self.layout.state, dumps({"step": step, **kept}))
 
     def _supersede_history(self, step: int) -> None:
         """Move the rows of the steps lost by a rollback to `step` out of history.jsonl."""
-        path = self.root / HISTORY
+        path = self.layout.history
         if not path.exists():
             return
         self.history()  # repairs a torn last line first
@@ -411,7 +415,7 @@ class RunStore:
             return
         log.warning("%d history rows of the lost steps moved to %s", len(lost), SUPERSEDED_HISTORY)
         # added to the superseded file first: a crash in between duplicates rows there, never loses them
-        _append(self.root / SUPERSEDED_HISTORY, b"".join(lost))
+        _append(self.layout.superseded_history, b"".join(lost))
         write_atomic(path, b"".join(kept))
 
     def delete_checkpoints(
@@ -439,7 +443,7 @@ class RunStore:
 
     # -- trajectories ------------------------------------------------------------------------
     def _trajectory_dir(self, split: str) -> Path:
-        return self.root / "trajectories" / check_name("split", split)
+        return self.layout.split_dir(split)
 
     def begin_attempt(
         self, groups: Sequence[TrajectoryGroup], split: str, step: int, key: str | None = None
@@ -490,13 +494,13 @@ class RunStore:
 
     def write_groups(self, groups: Sequence[TrajectoryGroup], split: str, step: int) -> Path:
         """Append groups that are not trained (an evaluation: `log`) to `<split>/<step>.jsonl`."""
-        path = self._trajectory_dir(split) / f"{step:04d}.jsonl"
+        path = self.layout.groups_file(split, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         _append(path, "".join(g.model_dump_json() + "\n" for g in groups).encode())
         return path
 
     def read_groups(self, split: str, step: int) -> list[TrajectoryGroup]:
-        path = self._trajectory_dir(split) / f"{step:04d}.jsonl"
+        path = self.layout.groups_file(split, step)
         if not path.exists():
             raise InvalidFieldError("step", step, f"no {split} trajectories at {path}")
         return [
@@ -509,7 +513,7 @@ class RunStore:
     @contextmanager
     def _history_fd(self) -> Iterator[int]:
         """history.jsonl open for appending, locked against other appenders and repairers."""
-        fd = os.open(self.root / HISTORY, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.layout.history, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield fd
@@ -537,12 +541,12 @@ class RunStore:
             whole = False
         if whole:
             os.write(fd, b"\n")
-            log.warning("%s: the last row had lost its newline; added", self.root / HISTORY)
+            log.warning("%s: the last row had lost its newline; added", self.layout.history)
         else:
             os.ftruncate(fd, start)
             log.warning(
                 "%s: dropped a torn last line (%d bytes, cut off mid-write): %r",
-                self.root / HISTORY,
+                self.layout.history,
                 size - start,
                 tail[:120],
             )
@@ -563,7 +567,7 @@ class RunStore:
     def history(self) -> list[dict[str, Any]]:
         """Every row of history.jsonl. A torn last line is repaired away and a line that is not a
         JSON object is skipped, each with a warning: a damaged row costs that row, not the run."""
-        path = self.root / HISTORY
+        path = self.layout.history
         if not path.exists():
             return []
         data = path.read_bytes()

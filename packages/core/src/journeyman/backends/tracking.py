@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from journeyman.chat.messages import text_of
 from journeyman.data.config import ModelConfig
+from journeyman.data.paths import RunLayout
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError
 
@@ -132,7 +133,7 @@ class WandbTracker:
                 'report_to=["wandb"] needs the wandb package: pip install "journeyman[wandb]"'
             ) from e
         self._wandb = wandb
-        folder = run_dir / "wandb"
+        folder = RunLayout(run_dir).wandb
         folder.mkdir(parents=True, exist_ok=True)
         id_file = folder / "journeyman-run-id"
         if not id_file.exists():

@@ -24,13 +24,13 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from journeyman.data.config import check_name
+from journeyman.data.paths import TOKENS_FILE as TOKENS_FILE  # the file name lives with the run layout
 from journeyman.errors import InvalidFieldError
 
 Scope = Literal["sample", "train", "admin"]
 SCOPES: tuple[Scope, ...] = ("sample", "train", "admin")
 ENV_TOKEN_NAME = "env"
 MIN_SECRET_CHARS = 16
-TOKENS_FILE = "tokens.json"
 
 
 def _digest(secret: str) -> str:

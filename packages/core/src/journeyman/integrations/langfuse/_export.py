@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +178,10 @@ class LangfuseExporter:
         atexit.unregister(self.close)
         if self.stats.dropped_total > self._warned_total:
             self._warn(force=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def stats(self) -> ExportStats:
@@ -414,7 +419,11 @@ class LangfuseExporter:
                     pass
 
 
-_active: LangfuseExporter | None = None
+_active: ContextVar[LangfuseExporter | None] = ContextVar("journeyman_langfuse_exporter", default=None)
+"""The exporter `export_to_langfuse` started in this context: a program's own, not the process's.
+Tasks and `asyncio.to_thread` inherit it (as they inherit the sink, `rollout.observe`), so one
+program's rollouts, training and logging share it, while a second program in the same process
+(another task tree) has its own, which turning export on again does not close."""
 
 
 def export_to_langfuse(
@@ -437,8 +446,12 @@ def export_to_langfuse(
     `max_queue` trajectories wait for export; beyond that (Langfuse slow or unreachable) they are
     dropped with a warning that counts them. Calling this again replaces the previous exporter.
     Returns the exporter: `.flush()`, `.close()`, `.stats`.
+
+    The exporter belongs to the context that turned it on (a `contextvars` scope: the calling task
+    and the tasks and `to_thread` calls it starts): "again" means again in that context, and only
+    trajectories announced there reach it, so two programs in one process (two task trees) each
+    export their own trajectories to their own Langfuse.
     """
-    global _active
     creds = credentials(public_key, secret_key, host)
     conn = export_connection(creds, timeout_s)
     exporter = LangfuseExporter(
@@ -451,9 +464,10 @@ def export_to_langfuse(
         retry_after_s=retry_after_s,
         flush_timeout_s=max(timeout_s * 3, 10.0),
     )
-    if _active is not None:
-        _active.close()
-    _active = exporter
+    previous = _active.get()
+    if previous is not None:
+        previous.close()
+    _active.set(exporter)
     add_sink(exporter)
     atexit.register(exporter.close)
     return exporter

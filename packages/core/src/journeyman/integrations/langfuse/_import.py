@@ -18,10 +18,9 @@ import logging
 import math
 import statistics
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, Field, ValidationError
@@ -32,6 +31,13 @@ from journeyman.data.types import History, Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError
 from journeyman.integrations.langfuse import _wire
 from journeyman.integrations.langfuse._client import credentials, read_api
+from journeyman.integrations.langfuse._query import (
+    Combine,
+    GroupBy,
+    LangfuseTrace,
+    ReviewQuery,
+    ReviewScore,
+)
 from journeyman.rollout.capture import CapturedCall
 from journeyman.rollout.histories import join_calls, trajectory_of
 
@@ -45,34 +51,6 @@ log = logging.getLogger("journeyman.langfuse")
 
 OBSERVATION_FIELDS = "core,basic,io,metadata,model,usage,trace_context"
 SCORE_FIELDS = "details,subject,annotation"
-
-
-class ReviewScore(BaseModel):
-    """One Langfuse score on a trace (or on one of its observations)."""
-
-    name: str
-    value: float | None = Field(description="the number used as reward; None when the score has none")
-    raw: float | bool | str | None = None
-    data_type: str
-    source: str = Field(description="API, ANNOTATION (human review), EVAL")
-    trace_id: str
-    observation_id: str | None = None
-    timestamp: datetime
-    queue_id: str | None = None
-    author_user_id: str | None = None
-    comment: str | None = None
-
-
-class LangfuseTrace(BaseModel):
-    """A fetched trace, as a `group_by` or `combine` callable sees it."""
-
-    id: str
-    name: str | None = None
-    tags: list[str] = Field(default_factory=list)
-    session_id: str | None = None
-    timestamp: datetime
-    metadata: dict[str, Any] = Field(default_factory=dict, description="the root observation's metadata")
-    scores: list[ReviewScore] = Field(default_factory=list)
 
 
 class ReviewSet(BaseModel):
@@ -94,11 +72,6 @@ class ReviewSet(BaseModel):
             "; skipped: " + ", ".join(f"{n} {why}" for why, n in self.skipped.items()) if self.skipped else ""
         )
         return kept + extra + skipped
-
-
-CombineName = Literal["mean", "min", "max", "sum", "latest", "first"]
-Combine = CombineName | Callable[[list[ReviewScore]], float | None]
-GroupBy = str | Callable[[LangfuseTrace, Trajectory], str | None] | None
 
 
 def _combine(scores: list[ReviewScore], how: Combine) -> float | None:
@@ -171,33 +144,27 @@ def _pages(call: Callable[..., Any], **kwargs: Any) -> Iterator[Any]:
             return
 
 
-def _root_filter(
-    tags: Sequence[str],
-    name: str | None,
-    since: datetime | None,
-    until: datetime | None,
-    environment: str | None,
-) -> str:
+def _root_filter(q: ReviewQuery) -> str:
     conditions: list[dict[str, Any]] = [
         {"type": "boolean", "column": "isRootObservation", "operator": "=", "value": True}
     ]
-    if tags:
+    if q.tags:
         conditions.append(
-            {"type": "arrayOptions", "column": "traceTags", "operator": "all of", "value": list(tags)}
+            {"type": "arrayOptions", "column": "traceTags", "operator": "all of", "value": q.tags}
         )
-    if name:
-        conditions.append({"type": "string", "column": "traceName", "operator": "=", "value": name})
-    if since:
+    if q.name:
+        conditions.append({"type": "string", "column": "traceName", "operator": "=", "value": q.name})
+    if q.since:
         conditions.append(
-            {"type": "datetime", "column": "startTime", "operator": ">=", "value": since.isoformat()}
+            {"type": "datetime", "column": "startTime", "operator": ">=", "value": q.since.isoformat()}
         )
-    if until:
+    if q.until:
         conditions.append(
-            {"type": "datetime", "column": "startTime", "operator": "<", "value": until.isoformat()}
+            {"type": "datetime", "column": "startTime", "operator": "<", "value": q.until.isoformat()}
         )
-    if environment:
+    if q.environment:
         conditions.append(
-            {"type": "stringOptions", "column": "environment", "operator": "any of", "value": [environment]}
+            {"type": "stringOptions", "column": "environment", "operator": "any of", "value": [q.environment]}
         )
     return json.dumps(conditions)
 
@@ -365,32 +332,9 @@ def _api(
     return read_api(credentials(public_key, secret_key, host))
 
 
-def _fetch(
-    *,
-    score: str | Sequence[str],
-    combine: Combine,
-    tags: Sequence[str],
-    name: str | None,
-    since: datetime | None,
-    until: datetime | None,
-    environment: str | None,
-    score_source: str | Sequence[str] | None,
-    queue_id: str | None,
-    categories: Mapping[str, float] | None,
-    group_by: GroupBy,
-    min_group_size: int,
-    generation_name: str | None,
-    limit: int | None,
-    api: LangfuseAPI,
-    progress: bool,
-    concurrency: int,
-) -> ReviewSet:
-    names = [score] if isinstance(score, str) else list(score)
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise InvalidFieldError(
-            "score", score, "name the score(s) that become the reward, e.g. score='human'"
-        )
-    sources = [score_source] if isinstance(score_source, str) else list(score_source or [])
+def _fetch(q: ReviewQuery, api: LangfuseAPI, progress: bool, concurrency: int) -> ReviewSet:
+    names = q.score
+    sources = q.score_source or []
     skipped: Counter[str] = Counter()
 
     # 1. the traces: one root observation each (a trace may have several roots; keep the first)
@@ -398,12 +342,12 @@ def _fetch(
     for obs in _pages(
         api.observations.get_many,
         fields="core,basic,trace_context",
-        filter=_root_filter(tags, name, since, until, environment),
+        filter=_root_filter(q),
         limit=1000,
     ):
         if obs.trace_id and obs.trace_id not in roots:
             roots[obs.trace_id] = obs
-            if limit is not None and len(roots) >= limit:
+            if q.limit is not None and len(roots) >= q.limit:
                 break
     trace_ids = list(roots)
 
@@ -416,11 +360,11 @@ def _fetch(
             name=",".join(names),
             trace_id=",".join(chunk),
             source=",".join(sources) or None,
-            queue_id=queue_id,
+            queue_id=q.queue_id,
             fields=SCORE_FIELDS,
             limit=100,
         ):
-            s = _score(raw, categories)
+            s = _score(raw, q.categories)
             if s is not None and s.trace_id in roots and s.name in names:
                 scores.setdefault(s.trace_id, []).append(s)
     rewards: dict[str, float] = {}
@@ -428,14 +372,14 @@ def _fetch(
         if tid not in scores:
             skipped["no score"] += 1
             continue
-        value = _combine(scores[tid], combine)
+        value = _combine(scores[tid], q.combine)
         if value is None or not math.isfinite(value):
             skipped["score not numeric"] += 1
             continue
         rewards[tid] = float(value)
 
     # 3. every observation of each scored trace, with our payloads unabridged
-    expand = ",".join(dict.fromkeys([_wire.META_KEY, *([group_by] if isinstance(group_by, str) else [])]))
+    expand = ",".join(dict.fromkeys([_wire.META_KEY, *([q.group_by] if isinstance(q.group_by, str) else [])]))
 
     def load(tid: str) -> list[Any]:
         return list(
@@ -468,7 +412,7 @@ def _fetch(
             )
             try:
                 traj = _ours(observations, rewards[tid]) or _foreign(
-                    observations, rewards[tid], generation_name
+                    observations, rewards[tid], q.generation_name
                 )
             except (ValidationError, InvalidFieldError, ValueError, TypeError) as e:
                 log.debug("trace %s unreadable: %s", tid, e)
@@ -490,15 +434,15 @@ def _fetch(
     # 4. groups, in the order their first trace started
     grouped: dict[str, list[tuple[LangfuseTrace, Trajectory]]] = {}
     for trace, traj in sorted(built, key=lambda b: b[0].timestamp):
-        key = _group_key(group_by, trace, traj)
+        key = _group_key(q.group_by, trace, traj)
         if key is None:
             skipped["no group key"] += 1
             continue
         grouped.setdefault(key, []).append((trace, traj))
     groups: list[TrajectoryGroup] = []
     for key, members in grouped.items():
-        if len(members) < min_group_size:
-            skipped["group of one" if len(members) == 1 else f"group smaller than {min_group_size}"] += len(
+        if len(members) < q.min_group_size:
+            skipped["group of one" if len(members) == 1 else f"group smaller than {q.min_group_size}"] += len(
                 members
             )
             continue
@@ -543,69 +487,44 @@ def _group_key(group_by: GroupBy, trace: LangfuseTrace, traj: Trajectory) -> str
 
 
 async def fetch_review_set(
+    query: ReviewQuery | None = None,
     *,
-    score: str | Sequence[str],
-    combine: Combine = "mean",
-    tags: Sequence[str] = (),
-    name: str | None = None,
-    since: datetime | None = None,
-    until: datetime | None = None,
-    environment: str | None = None,
-    score_source: str | Sequence[str] | None = None,
-    queue_id: str | None = None,
-    categories: Mapping[str, float] | None = None,
-    group_by: GroupBy = None,
-    min_group_size: int = 2,
-    generation_name: str | None = None,
-    limit: int | None = None,
     client: Langfuse | LangfuseAPI | None = None,
     public_key: str | None = None,
     secret_key: str | None = None,
     host: str | None = None,
     progress: bool = True,
     concurrency: int = 8,
+    **filters: Any,
 ) -> ReviewSet:
     """Fetch scored traces and rebuild them as TrajectoryGroups, with an account of what was skipped.
 
-    Filter traces by `tags` (all must be present), trace `name`, start time (`since` <= t < `until`)
-    and `environment`. The reward is the score named `score` (or any of several names), combined
-    by `combine` when a trace has several (several reviewers, several names): mean, min, max, sum,
-    latest, first, or a function of the list of `ReviewScore`. `score_source="ANNOTATION"` keeps
-    human review only, `queue_id` one annotation queue. Categorical scores need `categories`
-    ({"good": 1.0, "bad": 0.0}); boolean scores are 1/0.
+    `query` (a `ReviewQuery`), or its fields as keywords (`score="human", tags=["journeyman"]`; given
+    with a query, they replace its fields), says which traces count: tags, trace name, start time,
+    environment; the score(s) that become the reward and how several combine (categorical scores
+    need `categories`, boolean scores are 1/0; `score_source="ANNOTATION"` keeps human review only,
+    `queue_id` one annotation queue); and how trajectories group (by default the group an export
+    recorded, else the Langfuse session; groups smaller than `min_group_size` are skipped, as GRPO
+    compares rollouts within a group). Each field's description says the rest.
 
-    Groups: by default the group an export recorded (else the Langfuse session); or name a
-    metadata key (e.g. "scenario_id"), "session_id", "trace_name", or pass a function
-    `(trace, trajectory) -> key`. Groups smaller than `min_group_size` are skipped (GRPO compares
-    rollouts within a group). `generation_name` picks the policy's generations in foreign traces.
+    Keys and host come from the arguments or LANGFUSE_* (or pass a `client`); `concurrency` traces
+    are read at once.
     """
-    if min_group_size < 1:
-        raise InvalidFieldError("min_group_size", min_group_size, "must be >= 1")
+    q = _query(query, filters)
     api = _api(client, public_key, secret_key, host)
-    return await asyncio.to_thread(
-        _fetch,
-        score=score,
-        combine=combine,
-        tags=tags,
-        name=name,
-        since=since,
-        until=until,
-        environment=environment,
-        score_source=score_source,
-        queue_id=queue_id,
-        categories=categories,
-        group_by=group_by,
-        min_group_size=min_group_size,
-        generation_name=generation_name,
-        limit=limit,
-        api=api,
-        progress=progress,
-        concurrency=concurrency,
-    )
+    return await asyncio.to_thread(_fetch, q, api, progress, concurrency)
 
 
-async def fetch_trajectory_groups(*, score: str | Sequence[str], **kwargs: Any) -> list[TrajectoryGroup]:
+def _query(query: ReviewQuery | None, filters: Mapping[str, Any]) -> ReviewQuery:
+    if query is None:
+        return ReviewQuery(**filters)
+    if not filters:
+        return query
+    return ReviewQuery(**{**dict(query), **filters})  # fields as they are: a function stays a function
+
+
+async def fetch_trajectory_groups(query: ReviewQuery | None = None, **kwargs: Any) -> list[TrajectoryGroup]:
     """`fetch_review_set(...)` returning just the groups (what was skipped is logged)."""
-    review = await fetch_review_set(score=score, **kwargs)
+    review = await fetch_review_set(query, **kwargs)
     log.info("Langfuse review set: %s", review.summary())
     return review.groups
