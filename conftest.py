@@ -41,6 +41,7 @@ FILE_SECONDS = {
     "packages/mcp/tests/test_win_rate.py": 79,
     "packages/core/tests/test_learning.py": 72,
     "packages/core/tests/test_endpoint.py": 58,
+    "tests/test_light_client.py": 70,  # new: estimated (a venv, a server start, a train step)
     "packages/core/tests/test_backend_contract.py": 60,  # new: estimated (a model and a server start)
     "packages/agents-sdk/tests/test_agents_sdk.py": 54,
     "packages/core/tests/test_remote.py": 50,
