@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field
 from journeyman.client.model import TrainableModel
 from journeyman.client.protocol import current_backend
 from journeyman.data.config import ModelConfig
-from journeyman.errors import InvalidFieldError, JourneymanError
+from journeyman.errors import InvalidFieldError, JourneymanError, UnknownModelError
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletion
@@ -142,6 +142,8 @@ async def _local(name: str | None, backend: Backend | None, field: str, spec: LL
         where = backend.inference(name)
     except InvalidFieldError as e:
         raise InvalidFieldError(field, spec_label(spec), e.reason) from None
+    except UnknownModelError as e:
+        raise InvalidFieldError(field, spec_label(spec), f"not served here; served: {e.served}") from None
     # The served step is part of the identity: a trained policy judging itself is a new judge.
     async with httpx.AsyncClient(timeout=30) as http:
         resp = await http.get(
