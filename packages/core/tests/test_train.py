@@ -187,9 +187,27 @@ def _force_signal(groups: list[jm.TrajectoryGroup]) -> None:
             t.reward = float(i % 2)
 
 
-async def test_step_checkpoint_serve_resume_and_prune(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def _same(a: list[torch.Tensor], b: Iterator[torch.Tensor] | list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+class _Lifecycle:
+    """What one model's life showed, step by step (recorded once; the tests below each read a part)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, object] = {}
+        self.errors: dict[str, jm.JourneymanError] = {}
+        self.history: list[dict[str, object]] = []
+        self.warnings = ""
+
+
+@pytest.fixture(scope="module")
+async def lifecycle(tmp_path_factory: pytest.TempPathFactory) -> _Lifecycle:
+    """Train, resume in a new backend, run two steps at once, prune, serve old steps, fill the disk,
+    truncate the latest checkpoint and resume again: the whole life of a run directory, in order."""
+    tmp_path = tmp_path_factory.mktemp("lifecycle")
+    life = _Lifecycle()
+    seen = life.seen
     backend = jm.LocalBackend(path=tmp_path)
     model = jm.TrainableModel(name="m", project="p")
     await model.register(backend)
@@ -199,40 +217,24 @@ async def test_step_checkpoint_serve_resume_and_prune(
     for g in flat:
         for t in g.trajectories:
             t.reward = 0.5
-    skipped = await model.train(flat)
-    assert skipped.skipped and skipped.step == 0 and skipped.metrics["groups_zero_signal"] == 2
+    seen["skipped"] = await model.train(flat)
 
     groups = await _groups(model)
     _force_signal(groups)
     before = [p.detach().clone() for p in service.policy.trainable_parameters()]
-    result = await backend.train(model, groups, config=jm.TrainConfig(learning_rate=1e-3), trained_by="alice")
-    assert result.step == 1 and not result.skipped
-    assert any(
-        not torch.equal(a, b) for a, b in zip(before, service.policy.trainable_parameters(), strict=True)
+    seen["step1"] = await backend.train(
+        model, groups, config=jm.TrainConfig(learning_rate=1e-3), trained_by="alice"
     )
-    assert (
-        result.metrics["engine_trainer_logprob_gap"] < 1e-3
-    )  # in-process fp32: same weights sampled and trained
-    # the endpoint now serves step 1
-    fresh = await _groups(model, n=1, size=1)
-    assert _sampled_step(fresh) == 1
-    await model.log(fresh, split="val")
-
+    seen["adapter_changed"] = not _same(before, list(service.policy.trainable_parameters()))
+    seen["served_after_train"] = _sampled_step(await _groups(model, n=1, size=1))
+    await model.log(await _groups(model, n=1, size=1), split="val")
     run = model.run_dir
-    assert (run / "checkpoints" / "0001" / "adapter_model.safetensors").exists()
+    seen["checkpoint_1"] = (run / "checkpoints" / "0001" / "adapter_model.safetensors").exists()
     saved = jm.TrajectoryGroup.model_validate_json(
         (run / "trajectories" / "train" / "0000.jsonl").read_text().splitlines()[0]
     )
-    assert saved.trajectories[0].records()
-    history = [json.loads(x) for x in (run / "history.jsonl").read_text().splitlines()]
-    assert [h["split"] for h in history] == ["train", "train", "val"]
-    assert history[1]["train/grad_norm"] > 0 and history[1]["trained_by"] == "alice"
-    assert "trained_by" not in history[0]
-    # what the endpoint holds in memory is in every step's metrics: the turn cache, unpopped captures
-    assert (
-        history[1]["train/endpoint_turn_cache_tokens"] > 0
-        and history[1]["train/endpoint_captures_dropped"] == 0
-    )
+    seen["saved_records"] = bool(saved.trajectories[0].records())
+    life.history = [json.loads(x) for x in (run / "history.jsonl").read_text().splitlines()]
     trained = [p.detach().clone() for p in service.policy.trainable_parameters()]
     backend.close()
 
@@ -240,75 +242,148 @@ async def test_step_checkpoint_serve_resume_and_prune(
     backend2 = jm.LocalBackend(path=tmp_path)
     model2 = jm.TrainableModel(name="m", project="p")
     await model2.register(backend2)
-    assert await model2.get_step() == 1
-    assert all(
-        torch.equal(a, b)
-        for a, b in zip(trained, backend2.service(model2).policy.trainable_parameters(), strict=True)
-    )
+    policy2 = backend2.service(model2).policy
+    seen["resumed_step"] = await model2.get_step()
+    seen["resumed_weights"] = _same(trained, list(policy2.trainable_parameters()))
     groups = await _groups(model2)
     _force_signal(groups)
-    # two concurrent steps with different keys run one after the other, never both from step 1
     both = await asyncio.gather(
         model2.train(groups, idempotency_key="first"), model2.train(groups, idempotency_key="second")
     )
-    assert sorted(r.step for r in both) == [2, 3]
-    # step 1 is best (the only val), step 3 latest: step 2 goes
-    assert await model2.delete_checkpoints("val/reward") == [2]
+    seen["concurrent_steps"] = sorted(r.step for r in both)
+    seen["pruned"] = await model2.delete_checkpoints("val/reward")
 
-    # an older checkpoint served for an eval: exactly its weights, the base model at 0, no training on it
-    policy2 = backend2.service(model2).policy
     latest = [p.detach().clone() for p in policy2.trainable_parameters()]
     await model2.serve_step(1)
-    assert all(torch.equal(a, b) for a, b in zip(trained, policy2.trainable_parameters(), strict=True))
+    seen["step_1_weights"] = _same(trained, list(policy2.trainable_parameters()))
     await model2.serve_step(0)
-    assert all(p.abs().sum() == 0 for n, p in policy2.model.named_parameters() if "lora_B" in n)
-    fresh = await _groups(model2, n=1, size=1)
-    assert _sampled_step(fresh) == 0
-    with pytest.raises(jm.InvalidFieldError) as refused:
-        await model2.train(groups)
-    assert refused.value.field == "step"
-    with pytest.raises(jm.InvalidFieldError) as out_of_range:
-        await model2.serve_step(4)
-    assert out_of_range.value.field == "step" and "0..3" in str(out_of_range.value)
+    seen["step_0_is_base"] = all(
+        p.abs().sum() == 0 for n, p in policy2.model.named_parameters() if "lora_B" in n
+    )
+    seen["served_at_0"] = _sampled_step(await _groups(model2, n=1, size=1))
+    for key, call in (
+        ("train_on_old", lambda: model2.train(groups)),
+        ("serve_4", lambda: model2.serve_step(4)),
+    ):
+        try:
+            await call()
+        except jm.InvalidFieldError as e:
+            life.errors[key] = e
     await model2.serve_step(3)
-    assert all(torch.equal(a, b) for a, b in zip(latest, policy2.trainable_parameters(), strict=True))
+    seen["step_3_weights"] = _same(latest, list(policy2.trainable_parameters()))
 
-    # the disk fills while checkpoint 4 is written (the adapter fits, the optimizer state does not):
-    # a named error, nothing half-written, step 3 still committed, served and in memory
-    with _file_size_limit(12 << 20), pytest.raises(jm.CheckpointError) as full:
-        await model2.train(groups)
-    assert full.value.step == 4, full.value
-    assert await model2.get_step() == 3
-    assert [p.name for p in (model2.run_dir / "checkpoints").iterdir() if "4" in p.name] == []
-    assert all(torch.equal(a, b) for a, b in zip(latest, policy2.trainable_parameters(), strict=True))
+    # the disk fills while checkpoint 4 is written (the adapter fits, the optimizer state does not)
+    try:
+        with _file_size_limit(12 << 20):
+            await model2.train(groups)
+    except jm.CheckpointError as e:
+        life.errors["disk_full"] = e
+    seen["step_after_full_disk"] = await model2.get_step()
+    seen["half_written"] = [p.name for p in (model2.run_dir / "checkpoints").iterdir() if "4" in p.name]
+    seen["weights_after_full_disk"] = _same(latest, list(policy2.trainable_parameters()))
     backend2.close()
 
-    # the latest checkpoint is truncated on disk: the resume warns, naming it, and falls back to the
-    # newest good one (step 1; 2 was pruned); what was trained after it is kept aside
+    # the latest checkpoint is truncated on disk: the resume falls back to the newest good one
     adapter = model2.run_dir / "checkpoints" / "0003" / "adapter_model.safetensors"
     adapter.write_bytes(adapter.read_bytes()[:1000])
     backend3 = jm.LocalBackend(path=tmp_path)
     model3 = jm.TrainableModel(name="m", project="p")
-    with caplog.at_level(logging.WARNING, logger="journeyman.backends.store"):
+    logger = logging.getLogger("journeyman.backends.store")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
         await model3.register(backend3)
-    assert await model3.get_step() == 1
-    warning = caplog.text
+    finally:
+        logger.removeHandler(handler)
+    life.warnings = "\n".join(r.getMessage() for r in records)
+    seen["fallback_step"] = await model3.get_step()
+    seen["corrupt_kept"] = (model3.run_dir / "checkpoints" / "0003.corrupt").is_dir()
+    seen["trajectory_files"] = sorted(p.name for p in (model3.run_dir / "trajectories" / "train").iterdir())
+    seen["history_after_fallback"] = [(h["split"], h["step"]) for h in await model3.history()]
+    superseded = (model3.run_dir / "history.superseded.jsonl").read_text().splitlines()
+    seen["superseded"] = [(json.loads(x)["split"], json.loads(x)["step"]) for x in superseded]
+    seen["fallback_weights"] = _same(trained, list(backend3.service(model3).policy.trainable_parameters()))
+    backend3.close()
+    return life
+
+
+def test_groups_without_reward_spread_are_skipped(lifecycle: _Lifecycle) -> None:
+    skipped = lifecycle.seen["skipped"]
+    assert isinstance(skipped, jm.TrainResult)
+    assert skipped.skipped and skipped.step == 0 and skipped.metrics["groups_zero_signal"] == 2
+
+
+def test_a_step_changes_the_adapter_with_the_engines_own_logprobs(lifecycle: _Lifecycle) -> None:
+    step1 = lifecycle.seen["step1"]
+    assert isinstance(step1, jm.TrainResult)
+    assert step1.step == 1 and not step1.skipped and lifecycle.seen["adapter_changed"]
+    assert (
+        step1.metrics["engine_trainer_logprob_gap"] < 1e-3
+    )  # in-process fp32: same weights sampled and trained
+
+
+def test_the_endpoint_serves_the_new_step(lifecycle: _Lifecycle) -> None:
+    assert lifecycle.seen["served_after_train"] == 1
+
+
+def test_the_run_directory_records_the_step_and_who_trained_it(lifecycle: _Lifecycle) -> None:
+    history = lifecycle.history
+    assert lifecycle.seen["checkpoint_1"] and lifecycle.seen["saved_records"]
+    assert [h["split"] for h in history] == ["train", "train", "val"]
+    assert history[1]["train/grad_norm"] > 0 and history[1]["trained_by"] == "alice"  # type: ignore[operator]
+    assert "trained_by" not in history[0]
+    # what the endpoint holds in memory is in every step's metrics: the turn cache, unpopped captures
+    assert history[1]["train/endpoint_turn_cache_tokens"] > 0  # type: ignore[operator]
+    assert history[1]["train/endpoint_captures_dropped"] == 0
+
+
+def test_a_new_backend_resumes_at_the_last_checkpoint_with_its_adapter(lifecycle: _Lifecycle) -> None:
+    assert lifecycle.seen["resumed_step"] == 1 and lifecycle.seen["resumed_weights"]
+
+
+def test_concurrent_steps_run_one_after_the_other_and_pruning_keeps_best_and_latest(
+    lifecycle: _Lifecycle,
+) -> None:
+    assert lifecycle.seen["concurrent_steps"] == [2, 3]  # never both from step 1
+    assert lifecycle.seen["pruned"] == [2]  # step 1 is best (the only val), step 3 latest
+
+
+def test_an_older_checkpoint_is_served_exactly_and_never_trained_on(lifecycle: _Lifecycle) -> None:
+    seen, errors = lifecycle.seen, lifecycle.errors
+    assert seen["step_1_weights"] and seen["step_0_is_base"] and seen["served_at_0"] == 0
+    assert isinstance(errors["train_on_old"], jm.InvalidFieldError) and errors["train_on_old"].field == "step"
+    out_of_range = errors["serve_4"]
+    assert isinstance(out_of_range, jm.InvalidFieldError)
+    assert out_of_range.field == "step" and "0..3" in str(out_of_range)
+    assert seen["step_3_weights"]
+
+
+def test_a_full_disk_is_a_named_error_and_the_last_step_stays(lifecycle: _Lifecycle) -> None:
+    full = lifecycle.errors["disk_full"]
+    assert isinstance(full, jm.CheckpointError) and full.step == 4, full
+    seen = lifecycle.seen
+    assert (
+        seen["step_after_full_disk"] == 3 and seen["half_written"] == [] and seen["weights_after_full_disk"]
+    )
+
+
+def test_a_truncated_checkpoint_is_named_and_the_resume_falls_back(lifecycle: _Lifecycle) -> None:
+    warning = lifecycle.warnings
     assert "step 3" in warning and "0003/adapter_model.safetensors" in warning and "truncated" in warning
-    assert (model3.run_dir / "checkpoints" / "0003.corrupt").is_dir()
-    names = sorted(p.name for p in (model3.run_dir / "trajectories" / "train").iterdir())
+    seen = lifecycle.seen
+    assert seen["fallback_step"] == 1 and seen["corrupt_kept"] and seen["fallback_weights"]
+
+
+def test_steps_lost_to_a_fallback_move_aside_with_their_history(lifecycle: _Lifecycle) -> None:
+    names = lifecycle.seen["trajectory_files"]
+    assert isinstance(names, list)
     assert names[:3] == ["0000.jsonl", "0001.superseded.jsonl", "0002.superseded.jsonl"], names
     assert len(names) == 4 and names[3].startswith("0003.failed-")  # the step the full disk cut off
     # the history rows of the lost steps 1 and 2 moved aside with their groups; step 1's eval stays
-    history = await model3.history()
-    assert [(h["split"], h["step"]) for h in history] == [("train", 0), ("train", 0), ("val", 1)]
-    superseded = (model3.run_dir / "history.superseded.jsonl").read_text().splitlines()
-    assert [(json.loads(x)["split"], json.loads(x)["step"]) for x in superseded] == [
-        ("train", 1),
-        ("train", 2),
-    ]
-    policy3 = backend3.service(model3).policy
-    assert all(torch.equal(a, b) for a, b in zip(trained, policy3.trainable_parameters(), strict=True))
-    backend3.close()
+    assert lifecycle.seen["history_after_fallback"] == [("train", 0), ("train", 0), ("val", 1)]
+    assert lifecycle.seen["superseded"] == [("train", 1), ("train", 2)]
 
 
 def test_checkpoints_are_whole_and_a_bad_one_is_named_and_skipped(
