@@ -14,6 +14,7 @@ from pathlib import Path
 import journeyman as jm
 import pytest
 import torch
+from _support import recorded_choice
 from journeyman.app import tasks
 from journeyman.backends.store import RunStore
 from journeyman.training.rows import trajectory_rows
@@ -22,29 +23,12 @@ from openai.types.chat.chat_completion import Choice
 pytestmark = pytest.mark.integration
 
 
-def _choice(prompt: list[int], ids: list[int]) -> Choice:
-    rec = jm.TokenRecord(
-        prompt_token_ids=prompt,
-        token_ids=ids,
-        logprobs=[-0.5] * len(ids),
-        model="m@0",
-        step=0,
-        finish_reason="stop",
-    )
-    return Choice.model_validate(
-        {
-            "index": 0,
-            "finish_reason": "stop",
-            "message": {"role": "assistant", "content": "x"},
-            "journeyman": rec.model_dump(),
-        }
-    )
-
-
 def test_rows_join_calls_that_extend_each_other(chat_format) -> None:
-    first = _choice([1, 2, 3], [4, 5])
-    second = _choice([1, 2, 3, 4, 5, 6, 7], [8])  # prompt = previous prompt + completion + tool turn
-    side = _choice([9, 9], [10])  # unrelated prefix: its own row
+    first = recorded_choice(prompt_token_ids=[1, 2, 3], token_ids=[4, 5])
+    second = recorded_choice(
+        prompt_token_ids=[1, 2, 3, 4, 5, 6, 7], token_ids=[8]
+    )  # prompt = previous prompt + completion + tool turn
+    side = recorded_choice(prompt_token_ids=[9, 9], token_ids=[10])  # unrelated prefix: its own row
     traj = jm.Trajectory(
         messages_and_choices=[
             {"role": "user", "content": "q"},
@@ -75,7 +59,11 @@ def test_groups_whose_rewards_barely_differ_are_dropped_when_asked(chat_format) 
         return jm.TrajectoryGroup(
             [
                 jm.Trajectory(
-                    messages_and_choices=[{"role": "user", "content": "q"}, _choice([1, 2], [3])], reward=r
+                    messages_and_choices=[
+                        {"role": "user", "content": "q"},
+                        recorded_choice(prompt_token_ids=[1, 2], token_ids=[3]),
+                    ],
+                    reward=r,
                 )
                 for r in rewards
             ]
@@ -103,13 +91,21 @@ async def test_a_token_id_outside_the_vocabulary_is_refused_before_anything_is_w
     user = {"role": "user", "content": "q"}
     forged = jm.TrajectoryGroup(
         [
-            jm.Trajectory(messages_and_choices=[user, _choice([1, 2], [3])], reward=1.0),
-            jm.Trajectory(messages_and_choices=[user, _choice([1, 2], [3, vocab])], reward=0.0),
+            jm.Trajectory(
+                messages_and_choices=[user, recorded_choice(prompt_token_ids=[1, 2], token_ids=[3])],
+                reward=1.0,
+            ),
+            jm.Trajectory(
+                messages_and_choices=[user, recorded_choice(prompt_token_ids=[1, 2], token_ids=[3, vocab])],
+                reward=0.0,
+            ),
         ]
     )
     side = jm.Trajectory(
-        messages_and_choices=[user, _choice([1, 2], [3])],
-        additional_histories=[jm.History(messages_and_choices=[_choice([vocab + 7, 2], [3])])],
+        messages_and_choices=[user, recorded_choice(prompt_token_ids=[1, 2], token_ids=[3])],
+        additional_histories=[
+            jm.History(messages_and_choices=[recorded_choice(prompt_token_ids=[vocab + 7, 2], token_ids=[3])])
+        ],
     )
     files = sorted(p.relative_to(model.run_dir) for p in model.run_dir.rglob("*"))
     refused = []
