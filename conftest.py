@@ -41,8 +41,8 @@ FILE_SECONDS = {
     "packages/mcp/tests/test_win_rate.py": 79,
     "packages/core/tests/test_learning.py": 72,
     "packages/core/tests/test_endpoint.py": 58,
-    "tests/test_light_client.py": 70,  # new: estimated (a venv, a server start, a train step)
-    "packages/core/tests/test_backend_contract.py": 60,  # new: estimated (a model and a server start)
+    "tests/test_light_client.py": 35,  # measured 2026-11-26 (this machine, fresh clone)
+    "packages/core/tests/test_backend_contract.py": 55,  # measured 2026-11-26 (this machine, fresh clone)
     "packages/agents-sdk/tests/test_agents_sdk.py": 54,
     "packages/core/tests/test_remote.py": 50,
     "packages/core/tests/test_families.py": 41,
