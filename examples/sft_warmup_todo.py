@@ -47,8 +47,10 @@ async def collect(settings: McpRlSettings, want: int, out: Path, max_rounds: int
             async with pool.lease() as conn:
                 return await rollout(model, client, conn, info, s, settings.rollout)  # type: ignore[arg-type]
 
+        # about four runs per success wanted (base success is ~0.25), in engine-sized batches of 8 to 16
+        per_round = min(16, max(8, 4 * want), len(sset.train))
         for _ in range(max_rounds):
-            batch = rng.sample(sset.train, min(16, len(sset.train)))
+            batch = rng.sample(sset.train, per_round)
             runs = await asyncio.gather(*(one(s) for s in batch), return_exceptions=True)
             tried += len(batch)
             kept += [t for t in runs if isinstance(t, jm.Trajectory) and t.metrics.get("success")]
@@ -74,6 +76,12 @@ def main() -> None:
     p.add_argument(
         "--eval-scenarios", type=int, default=0, help="evaluate on the first N held-out tasks (0: all 24)"
     )
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        default=1,
+        help="sampled held-out episodes per scenario beside the greedy one (0: greedy only)",
+    )
     p.add_argument("--path", type=Path, default=Path(".journeyman"))
     args = p.parse_args()
     scenarios = HERE / "mcp_todo_scenarios.json"
@@ -95,6 +103,7 @@ def main() -> None:
         groups_per_step=args.groups,
         learning_rate=5e-4,
         steps=args.rl_steps,
+        eval_samples=args.eval_samples,
         rollout=rollout_cfg,
         sft=jm.SFTConfig(epochs=args.sft_epochs, learning_rate=args.sft_learning_rate, batch_size=8),
     )

@@ -204,6 +204,8 @@ EXAMPLE_RUNS = [
             "2",
             "--eval-scenarios",
             "2",
+            "--eval-samples",
+            "0",
         ),
         check_sft_warmup,
     ),
