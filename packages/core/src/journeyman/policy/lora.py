@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 from journeyman.data.config import LoraConfig
 from journeyman.errors import InvalidFieldError
+from journeyman.policy.merge import AdapterMerge
+from journeyman.policy.precision import enable_tf32, resolve_precision
 
 
 def cache_kv(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,6 +64,32 @@ def pick_device(device: str | None = None, rank: int | None = None) -> torch.dev
     return torch.device("cuda", local % max(1, torch.cuda.device_count()))
 
 
+def with_adapter(base: Any, lora: LoraConfig) -> Any:
+    """`base` (a causal LM, already on its device) wrapped with a fresh LoRA adapter by PEFT, in
+    eval mode. PEFT keeps the LoRA matrices in float32 under a bf16 base (`autocast_adapter_dtype`),
+    so AdamW updates them in full precision."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    base.eval()
+    peft_config = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    # LoRA's A matrices start random: drawn under the config's seed, so a model starts from the
+    # same adapter whatever ran before it in the process (its global generator is left as it was).
+    device = next(base.parameters()).device
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(lora.seed)
+        model = get_peft_model(base, peft_config)
+    model.eval()
+    return model
+
+
 class LoraPolicy:
     """Base model + LoRA adapter + tokenizer, loaded once per process."""
 
@@ -70,45 +98,29 @@ class LoraPolicy:
         model_dir: Path,
         lora: LoraConfig | None = None,
         device: str | None = None,
-        dtype: str = "float32",
+        dtype: str | None = None,
     ) -> None:
-        from peft import LoraConfig as PeftLoraConfig
-        from peft import get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise InvalidFieldError("dtype", dtype, "use float32, bfloat16 or float16")
         self.device = pick_device(device)
-        self.dtype = getattr(torch, dtype)
+        precision = resolve_precision(dtype, self.device)  # None: by device (policy/precision.py)
+        if precision.tf32:
+            enable_tf32()
+        self.dtype = getattr(torch, precision.dtype)
         self.lora = lora or LoraConfig()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
         # transformers wraps `.to` in a decorator whose stub leaves `self` unbound
         base = base.to(self.device)  # pyright: ignore[reportArgumentType]
-        base.eval()
-        peft_config = PeftLoraConfig(
-            r=self.lora.r,
-            lora_alpha=self.lora.alpha,
-            lora_dropout=self.lora.dropout,
-            target_modules=self.lora.target_modules,
-            task_type="CAUSAL_LM",
-        )
-        # LoRA's A matrices start random: drawn under the config's seed, so a model starts from the
-        # same adapter whatever ran before it in the process (its global generator is left as it was).
-        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(self.lora.seed)
-            self.model: Any = get_peft_model(base, peft_config)
-        self.model.eval()
+        self.model: Any = with_adapter(base, self.lora)
         # Sampling and a training step never overlap on the shared weights.
         self.lock = threading.RLock()
         # Bumped whenever the adapter weights change (a step, a load): caches of activations
         # computed under older weights (the engine's shared-prefix KV) are stale after it.
         self.version = 0
-        # The adapter is folded into the base weights while sampling (see `sampling`). Only in
-        # fp32: merge and unmerge round the base weights each time, which bf16 would compound.
-        self.merges = self.dtype == torch.float32
-        self._merged = False
+        # The adapter is folded into the base weights while sampling (see `sampling`); a bf16 base
+        # comes back bit-exact on unmerge (policy/merge.py).
+        self.merge = AdapterMerge(self.model)
         # Callers waiting in `editing` or `save`: the engine admits no new rows while there are any, so a
         # continuously fed batch drains, and a new batch waits for them (`sampling`), so a training
         # step gets the weights even when requests queue faster than batches end.
@@ -125,9 +137,7 @@ class LoraPolicy:
         with self._editors:
             self._editors.wait_for(lambda: self.editors_waiting == 0)
         with self.lock, self._attention_kernels():
-            if self.merges and not self._merged:
-                self.model.merge_adapter()
-                self._merged = True
+            self.merge.merge()
             yield
 
     @contextlib.contextmanager
@@ -135,9 +145,7 @@ class LoraPolicy:
         """Hold the weights to train or change the adapter: unmerged, so gradients reach the LoRA
         matrices and a change lands in them alone."""
         with self._exclusive(), self._attention_kernels():
-            if self._merged:
-                self.model.unmerge_adapter()
-                self._merged = False
+            self.merge.unmerge()
             yield
 
     def _attention_kernels(self) -> contextlib.AbstractContextManager[object]:
