@@ -11,7 +11,8 @@ import typer
 
 from journeyman.app.langfuse_cli import app as langfuse_app
 from journeyman.app.options import Fields, with_fields
-from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainerConfig
+from journeyman.backends.plan import PRESETS, Layout, TrainingSetup
+from journeyman.data.config import LoraConfig, ModelConfig, SFTConfig, TrainConfig, TrainerConfig
 from journeyman.data.paths import RunLayout, RunRoot
 
 app = typer.Typer(
@@ -26,6 +27,9 @@ BASE_MODEL = Fields(ModelConfig, only=["base_model"])
 SFT = Fields(SFTConfig, panel="Fine-tuning (SFTConfig)")
 DEMO_TRAIN = Fields(TrainConfig, only=["learning_rate"], defaults={"learning_rate": 2e-4})  # run_demo's rate
 TRAINER = Fields(TrainerConfig, only=["world_size"])
+PLAN_SETUP = Fields(TrainingSetup, exclude=["lora"], panel="Training")
+PLAN_LORA = Fields(LoraConfig, only=["r"], prefix="lora_", panel="Training")
+PLAN_LAYOUT = Fields(Layout, exclude=["device", "cpu_kv_cache_gib"], panel="Layout")
 
 
 @app.command()
@@ -230,6 +234,57 @@ def sft(
             b.close()
 
     asyncio.run(run())
+
+
+@app.command()
+@with_fields(setup=PLAN_SETUP, lora=PLAN_LORA, layout=PLAN_LAYOUT)
+def plan(
+    model_config: Annotated[
+        Path | None, typer.Option(help="the base model's config.json, or the model directory holding it")
+    ] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(help=f"a model Journeyman knows instead: {', '.join(PRESETS)}, smollm2-135m-instruct"),
+    ] = None,
+    lora_target_modules: Annotated[
+        list[str] | None, typer.Option(help="modules LoRA adapts (repeatable); default all-linear")
+    ] = None,
+    *,
+    setup: dict[str, Any],
+    lora: dict[str, Any],
+    layout: dict[str, Any],
+) -> None:
+    """What each GPU will hold to train a model (weights, adapter, optimizer state, activations, KV
+    cache) and whether it fits, worked out from its config.json before anything loads; exits 1 when
+    it does not fit, naming what to change."""
+    from journeyman.backends.plan import plan_memory, preset_config
+    from journeyman.errors import InvalidFieldError
+
+    if (model_config is None) == (preset is None):
+        raise typer.BadParameter(
+            "give one of --model-config PATH or --preset NAME", param_hint="'--model-config'"
+        )
+    if model_config is not None:
+        file = model_config / "config.json" if model_config.is_dir() else model_config
+        try:
+            config = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise typer.BadParameter(f"{file}: {e}", param_hint="'--model-config'") from None
+    else:
+        try:
+            config = preset_config(preset or "")
+        except InvalidFieldError as e:
+            raise typer.BadParameter(str(e), param_hint="'--preset'") from None
+    adapter = PLAN_LORA.build(lora, target_modules=lora_target_modules or "all-linear")
+    training = PLAN_SETUP.build(setup, lora=adapter)
+    try:
+        result = plan_memory(config, training, PLAN_LAYOUT.build(layout))
+    except InvalidFieldError as e:  # a config the plan cannot read, a module the model lacks
+        typer.secho(f"journeyman plan: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(result.table())
+    if not result.fits:
+        raise typer.Exit(1)
 
 
 @app.command()
