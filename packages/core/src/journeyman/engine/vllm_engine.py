@@ -14,6 +14,13 @@ A server that exits on its own (a crash, the OOM killer) is noticed at once by i
 thread: the requests it held fail with `EngineDownError` (the endpoint's 503, which `gather` counts
 against `max_exceptions`), requests that arrive while it restarts fail the same way instead of
 waiting, and the restarted server gets the served step's adapter back before it takes requests.
+One that exits while asleep is restarted when the training step ends (at the wake), not beside it:
+a fresh server takes its whole memory budget at start-up, which the trainer holds mid-step.
+
+On CUDA, vLLM sleeps through each training step and wakes in stages, each checked against the
+device's free memory first (`handoff.py`): its weights (re-read from disk at sleep level 2), then
+the step's adapter, then its KV cache. A wake that is refused or times out leaves the engine asleep
+and its requests failing fast (`EngineDownError`) until a later wake succeeds.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from journeyman.engine import handoff
 from journeyman.engine.base import Engine, Sample, SamplingParams
 from journeyman.engine.grammar import SCHEMA_FIELD, wrapped_ebnf
 from journeyman.engine.vllm_server import VLLMConfig, VLLMServer
@@ -41,6 +49,11 @@ _TOKEN_ID = "token_id:"
 
 class VLLMRequestError(JourneymanError, RuntimeError):
     """vLLM refused or failed a request; the message carries its status and error text."""
+
+
+class VLLMWakeError(VLLMRequestError):
+    """A stage of vLLM's wake timed out (`VLLMConfig.wake_timeout_s`) or was refused. The engine
+    stays asleep, its requests failing with EngineDownError, until a later wake succeeds."""
 
 
 class _Refused(Exception):
@@ -65,7 +78,10 @@ class VLLMEngine(Engine):
         *,
         dtype: str = "float32",
         lora_rank: int = 8,
+        memory_probe: handoff.MemoryProbe = handoff.cuda_memory,
     ) -> None:
+        """`memory_probe` reads the device's free memory before each wake stage (None answers: no
+        check, as on the CPU)."""
         self.config = config or VLLMConfig()
         self.stop_ids = sorted(stop_ids)
         self.server = VLLMServer(
@@ -86,6 +102,15 @@ class VLLMEngine(Engine):
         self._served_adapter: tuple[Path, int] | None = None  # (path, step) of the adapter served now
         self._down: str | None = None  # why requests are refused, while the server is down
         self.restarts = 0
+        # the handoff (sleep → train → staged wake); see the module docstring
+        self.memory_probe = memory_probe
+        self._asleep = False  # put to sleep and not fully woken since
+        self._woken: set[str] = set()  # stages of the current wake already done
+        self._released: int | None = None  # device bytes the sleep gave back (weights + KV cache)
+        self._wake_error: str | None = None  # why the last wake stopped, while it stays stopped
+        self._restart_pending = False  # exited asleep: restart at the wake
+        self._restarting = False
+        self.wake_seconds: dict[str, float] = {}  # the last wake's time per stage
         self.server.on_exit = self._on_exit
         self.server.start()
 
@@ -149,6 +174,11 @@ class VLLMEngine(Engine):
 
     def _on_exit(self, code: int) -> None:
         """The server exited on its own (supervisor thread): refuse requests, restart it, or stay down."""
+        if self._asleep:  # the trainer has the GPU: a fresh server would take memory it holds
+            self._down = f"the vLLM server exited with code {code} while asleep; it restarts when it wakes"
+            self._restart_pending = True
+            log.warning("%s (log: %s)", self._down, self.server.log_path)
+            return
         if self.restarts >= self.config.max_restarts:
             self._down = (
                 f"the vLLM server exited with code {code} and was already restarted "
@@ -158,21 +188,28 @@ class VLLMEngine(Engine):
             return
         self._down = f"the vLLM server exited with code {code} and is restarting"
         log.warning("%s (log: %s)", self._down, self.server.log_path)
+        self._restarting = True
         threading.Thread(target=self._restart, name="journeyman-vllm-restart", daemon=True).start()
 
     def _restart(self) -> None:
+        """A fresh server (it starts awake), serving the served step's adapter."""
+        self._restarting = True
         self.restarts += 1
         try:
             self.server.restart()
             self._clients.clear()  # bound to the old server's connections (and maybe its port)
             self._adapters.clear()
+            self._asleep, self._wake_error, self._released = False, None, None
+            self._woken.clear()
             if self._served_adapter is not None:
                 asyncio.run(self.load_adapter(*self._served_adapter))
         except Exception as e:
             self._down = f"the vLLM server exited and could not be restarted: {e}"
+            self._restarting = False
             log.error("%s", self._down)
             return
         self._down = None
+        self._restarting = False
         self._awake.set()
         log.warning(
             "vLLM restarted (%d of %d) in %.1f s, serving step %d",
@@ -214,6 +251,8 @@ class VLLMEngine(Engine):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
         if not self._awake.is_set():  # a training step has the GPU: wait for it, on any event loop
             await asyncio.to_thread(self._awake.wait)
+        if self._wake_error is not None:
+            raise EngineDownError(f"completion: vLLM did not wake: {self._wake_error}")
         try:
             resp = await self._post("/v1/completions", self.request_body(prompt_ids, params), "completion")
         except _Refused as e:  # vLLM's 400: a bad value in this request, named like the endpoint names it
@@ -274,18 +313,29 @@ class VLLMEngine(Engine):
     # -- training side -----------------------------------------------------------------------------
 
     async def load_adapter(self, path: Path, step: int) -> None:
-        """Load the PEFT adapter saved at `path` as `policy@<step>`; later requests use it."""
-        name = f"{_BASE_NAME}@{step}"
+        """Load the PEFT adapter saved at `path` as `policy@<step>`; later requests use it. While the
+        engine sleeps this is the middle stage of its wake: weights, this adapter, KV cache."""
         path = Path(path).resolve()
         if not (path / "adapter_config.json").exists():
             raise InvalidFieldError(
                 "path", str(path), "is not a PEFT adapter directory (no adapter_config.json)"
             )
+        if self._asleep:
+            await self._wake((path, step))
+            return
+        if self._down is not None and not self._restarting:
+            raise EngineDownError(f"load adapter of step {step}: {self._down}")
+        await self._load(path, step, self.config.request_timeout_s)
+
+    async def _load(self, path: Path, step: int, timeout: float) -> None:
+        name = f"{_BASE_NAME}@{step}"
         t0 = time.perf_counter()
         # A fresh client: this runs on whatever loop the trainer uses, possibly a short-lived one.
         async with httpx.AsyncClient(
-            base_url=self.server.base_url, headers=self.server.headers, timeout=self.config.request_timeout_s
+            base_url=self.server.base_url, headers=self.server.headers, timeout=timeout
         ) as c:
+            # vLLM's LoadLoRAAdapterRequest {lora_name, lora_path, load_inplace}: in place when the
+            # name is registered already (a wake that loads the served step's adapter again)
             body = {"lora_name": name, "lora_path": str(path), "load_inplace": name in self._adapters}
             resp = await c.post("/v1/load_lora_adapter", json=body)
             if resp.status_code != 200:
@@ -308,34 +358,144 @@ class VLLMEngine(Engine):
         log.info("vLLM serves step %d (adapter %s) after a %.3f s load", step, path, seconds)
 
     async def sleep(self) -> None:
-        """Free the GPU for a training step (vLLM sleep level 1: weights to CPU, KV cache dropped)."""
+        """Free the GPU for a training step: requests in flight finish (mode=wait), new ones wait;
+        vLLM drops its KV cache and its weights (level 2) or copies them to host memory (level 1)."""
         if not self.server.sleep_mode:
             if not self._warned_sleep:
                 log.info("vLLM sleep mode is off (not supported on CPU): the server stays up during training")
                 self._warned_sleep = True
             return
-        async with httpx.AsyncClient(
-            base_url=self.server.base_url, headers=self.server.headers, timeout=self.config.request_timeout_s
-        ) as c:
-            # mode=wait: requests in flight finish before the engine sleeps, instead of being aborted.
-            resp = await c.post("/sleep", params={"level": 1, "mode": "wait"})
-            if resp.status_code != 200:
-                raise VLLMRequestError(f"sleep: {resp.status_code}: {resp.text[:500]}")
-        self._awake.clear()
+        if self._down is not None:  # restarting or down: nothing to put to sleep
+            return
+        before = self.memory_probe()
+        self._awake.clear()  # requests arriving from now on wait for the wake, here
+        try:
+            level = self.config.sleep_level
+            await self._dev_post("sleep", "/sleep", self.config.request_timeout_s, level=level, mode="wait")
+        except BaseException:
+            self._awake.set()
+            raise
+        after = self.memory_probe()
+        if not self._asleep and before is not None and after is not None:
+            self._released = max(0, after.free_bytes - before.free_bytes)
+            log.info("vLLM sleeps (level %d): %.2f GiB freed", level, self._released / handoff.GiB)
+        # A wake that stopped part-way is asleep still: what it released is the first sleep's figure.
+        self._asleep = True
+        self._woken.clear()
 
     async def wake(self) -> None:
-        if self._awake.is_set():
-            return
-        if self._down is not None:  # the server died asleep; the restarted one starts awake
-            self._awake.set()
-            return
-        async with httpx.AsyncClient(
-            base_url=self.server.base_url, headers=self.server.headers, timeout=self.config.request_timeout_s
-        ) as c:
-            resp = await c.post("/wake_up")
-            if resp.status_code != 200:
-                raise VLLMRequestError(f"wake_up: {resp.status_code}: {resp.text[:500]}")
+        """Take the GPU back after `sleep`, in stages (weights, the served adapter, KV cache)."""
+        if self._asleep:
+            await self._wake(None)
+
+    async def _wake(self, adapter: tuple[Path, int] | None) -> None:
+        """Wake in stages, each checked against free memory first; `adapter` (else the served one)
+        is loaded between the weights and the KV cache. A stage that fails leaves the engine asleep
+        (requests fail fast) and raises; the next wake starts at that stage."""
+        try:
+            if self._restart_pending:
+                await self._restart_at_wake(adapter)
+                return
+            if self._down is not None:
+                raise EngineDownError(f"wake: {self._down}")
+            await self._wake_stages(adapter)
+        except BaseException as e:
+            self._wake_error = f"{type(e).__name__}: {e}"
+            self._awake.set()  # what waited for the wake fails now (EngineDownError), not later
+            raise
+        self._asleep, self._wake_error = False, None
+        self._woken.clear()
         self._awake.set()
+        log.info("vLLM awake: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.wake_seconds.items()))
+
+    async def _wake_stages(self, adapter: tuple[Path, int] | None) -> None:
+        probe, timeout = self.memory_probe, self.config.wake_timeout_s
+        tp = self.config.tensor_parallel_size
+        weights = handoff.weight_bytes(self.server.model_dir, self.server.dtype) // tp
+        if "weights" not in self._woken:
+            handoff.check_fits("weights", weights, probe)
+            t0 = time.perf_counter()
+            await self._dev_post("wake weights", "/wake_up", timeout, tags="weights")
+            if self.config.sleep_level == 2:
+                # level 2 left the weights' memory mapped but empty: re-read them from the
+                # checkpoint (vLLM's worker reload_weights, which also resets its LoRA state)
+                await self._dev_post("reload weights", "/collective_rpc", timeout, method="reload_weights")
+            self.wake_seconds["weights"] = time.perf_counter() - t0
+            self._woken.add("weights")
+        target = adapter or self._served_adapter
+        if target is not None and "adapter" not in self._woken:
+            handoff.check_fits("adapter", handoff.adapter_bytes(target[0]), probe)
+            t0 = time.perf_counter()
+            try:
+                await self._load(*target, timeout)
+            except httpx.TimeoutException as e:
+                raise self._timed_out("load adapter", e) from e
+            except httpx.HTTPError as e:
+                raise VLLMWakeError(f"load adapter: {type(e).__name__}: {e}") from e
+            self.wake_seconds["adapter"] = time.perf_counter() - t0
+            self._woken.add("adapter")
+        if "kv_cache" not in self._woken:
+            handoff.check_fits("kv_cache", max(0, (self._released or 0) - weights), probe)
+            t0 = time.perf_counter()
+            await self._dev_post("wake KV cache", "/wake_up", timeout, tags="kv_cache")
+            self.wake_seconds["kv_cache"] = time.perf_counter() - t0
+            self._woken.add("kv_cache")
+
+    async def _restart_at_wake(self, adapter: tuple[Path, int] | None) -> None:
+        """The server exited asleep: start a fresh one now that the trainer is done; it starts awake,
+        serving `adapter` (else the served one)."""
+        if self.restarts >= self.config.max_restarts:
+            self._restart_pending = False
+            self._down = (
+                f"{self._down}; it was already restarted {self.restarts} times (VLLMConfig.max_restarts) "
+                "and stays down"
+            )
+            self._asleep = False
+            self._awake.set()
+            raise EngineDownError(f"wake: {self._down}")
+        reading = self.memory_probe()
+        if reading is not None:  # vLLM takes its whole budget at start-up
+            handoff.check_fits(
+                "restart", int(self.config.gpu_memory_utilization * reading.total_bytes), lambda: reading
+            )
+        self._restart_pending = False
+        if adapter is not None:
+            self._served_adapter = adapter  # the fresh server starts on the new step's adapter
+        await asyncio.to_thread(self._restart)
+        if self._down is not None:
+            raise EngineDownError(f"wake: {self._down}")
+
+    async def _dev_post(self, what: str, path: str, timeout: float, **params: str | int) -> None:
+        """POST one of vLLM's dev-mode routes (`VLLM_SERVER_DEV_MODE=1`); a timeout or a refusal
+        raises VLLMWakeError naming the stage."""
+        # vLLM 0.32 (vllm/entrypoints/serve/dev/sleep/api_router.py, rpc/api_router.py):
+        # POST /sleep?level=0..2&mode=abort|wait|keep → {"status": "sleeping", "level": level};
+        # POST /wake_up?tags=weights|kv_cache (repeatable; none: all) → {"status": "awake" or, while
+        # other tags sleep, "sleeping", "tags": [...]}; POST /collective_rpc {"method", "args",
+        # "kwargs"} → {"results": [...]} or an empty 200.
+        rpc = path == "/collective_rpc"
+        async with httpx.AsyncClient(
+            base_url=self.server.base_url, headers=self.server.headers, timeout=timeout
+        ) as c:
+            try:
+                if rpc:
+                    resp = await c.post(path, json=params)
+                else:
+                    resp = await c.post(path, params=params)
+            except httpx.TimeoutException as e:
+                raise self._timed_out(what, e) from e
+            except httpx.HTTPError as e:
+                raise VLLMWakeError(
+                    f"{what}: {type(e).__name__}: {e}; log tail:\n{self.server.log_tail(20)}"
+                ) from e
+        if resp.status_code != 200:
+            raise VLLMWakeError(f"{what}: vLLM answered {resp.status_code}: {resp.text[:500]}")
+
+    def _timed_out(self, what: str, e: Exception) -> VLLMWakeError:
+        return VLLMWakeError(
+            f"{what}: vLLM did not answer within {self.config.wake_timeout_s:g} s "
+            f"(VLLMConfig.wake_timeout_s; {type(e).__name__}); log tail:\n{self.server.log_tail(20)}"
+        )
 
     def close(self) -> None:
         self.server.stop()

@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
@@ -67,7 +68,8 @@ class VLLMConfig(BaseModel):
     max_model_len: int = Field(default=4096, ge=16, description="prompt + completion tokens per sequence")
     dtype: str | None = Field(
         default=None,
-        description="vLLM --dtype; default: the backend's dtype (float32 on CPU: bf16 logprobs drift)",
+        description="vLLM --dtype; default: the backend's, chosen by device (bfloat16 on a GPU with bf16, "
+        "float32 on CPU, where bf16 logprobs drift further from the trainer's)",
     )
     max_loras: int = Field(
         default=2, ge=1, description="adapters resident at once (the newest step and the one before)"
@@ -85,6 +87,23 @@ class VLLMConfig(BaseModel):
         description="sleep during training steps to free the GPU for the trainer. Default: on when CUDA is "
         "available; vLLM does not support sleep on CPU.",
     )
+    sleep_level: Literal[1, 2] = Field(
+        default=2,
+        description="how vLLM sleeps through a training step. 2 (default): its weights are discarded and "
+        "re-read from the checkpoint on disk at the wake (POST /collective_rpc reload_weights); the base "
+        "is frozen under LoRA, so the file holds exactly what was dropped, no host RAM is held and "
+        "nothing is copied device -> host. 1: the weights are copied device -> host at every sleep and "
+        "back at every wake, holding a pinned host copy (a 7B in bf16: 15 GB each way, ~0.6 s per copy "
+        "at 25 GB/s PCIe, against a ~1.5-5 s re-read at level 2 from the page cache or an NVMe disk). "
+        "Take 1 when the disk is slow (a network mount) and host RAM is plentiful. docs/scale.md, "
+        "'Memory handoff'",
+    )
+    wake_timeout_s: float = Field(
+        default=300.0,
+        gt=0.0,
+        description="how long one stage of a wake (weights, adapter, KV cache) may take before it fails "
+        "with VLLMWakeError; a level-2 re-read of a large checkpoint from a slow disk takes longest",
+    )
     cpu_kvcache_gb: float = Field(
         default=2.0, gt=0.0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB"
     )
@@ -93,6 +112,12 @@ class VLLMConfig(BaseModel):
         ge=1,
         description="inference replicas inside one vLLM server (--data-parallel-size: one per GPU; "
         "vLLM balances requests across them and loads each new adapter on every one)",
+    )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="GPUs each replica's weights are split across (--tensor-parallel-size), for a base "
+        "that does not fit one GPU beside the trainer; replicas x this many GPUs must be visible",
     )
     startup_timeout_s: float = Field(
         default=600.0, gt=0.0, description="how long to wait for the server to become healthy"
@@ -109,6 +134,43 @@ class VLLMConfig(BaseModel):
         description="times a server that exits on its own is restarted (and the served adapter loaded "
         "again) before the engine stays down; requests it held fail with EngineDownError either way",
     )
+
+
+def check_layout(config: VLLMConfig, gpus: int | None) -> None:
+    """Refuse a layout that needs more GPUs than `gpus` (None: unknown, e.g. on the CPU)."""
+    need = config.tensor_parallel_size * config.data_parallel_size
+    if gpus is not None and need > gpus:
+        raise InvalidFieldError(
+            "tensor_parallel_size",
+            config.tensor_parallel_size,
+            f"x data_parallel_size={config.data_parallel_size} needs {need} GPUs, but {gpus} are visible "
+            "(CUDA_VISIBLE_DEVICES); lower either",
+        )
+
+
+# Allocator settings vLLM's sleep mode cannot run under. Its CuMemAllocator maps weights and KV cache
+# into a memory pool, and PyTorch's expandable segments do not work with memory pools
+# (pytorch/pytorch#147851): vLLM releases before the pool toggle asserted on it at start-up
+# (vllm/device_allocator/cumem.py: "Expandable segments are not compatible with memory pool").
+_ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_BREAKS_SLEEP = "expandable_segments"
+
+
+def strip_sleep_breaking_alloc_conf(env: dict[str, str]) -> list[str]:
+    """Remove `expandable_segments` from PyTorch's allocator settings in `env` (other settings stay);
+    the variables changed, for the log."""
+    changed = []
+    for var in _ALLOC_CONF_VARS:
+        conf = env.get(var)
+        if conf is None or _BREAKS_SLEEP not in conf:
+            continue
+        kept = [f for f in conf.split(",") if f.split(":")[0].strip() != _BREAKS_SLEEP and f.strip()]
+        if kept:
+            env[var] = ",".join(kept)
+        else:
+            del env[var]
+        changed.append(f"{var}={conf!r} -> {env.get(var, '(unset)')!r}")
+    return changed
 
 
 class VLLMStartError(JourneymanError, RuntimeError):
@@ -143,6 +205,12 @@ def cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except ImportError:
         return False
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())
 
 
 def free_port() -> int:
@@ -198,6 +266,7 @@ class VLLMServer:
         self.lora_target_modules = config.lora_target_modules or linear_module_suffixes(self.model_dir)
         self.python = resolve_python(config)
         self.cuda = cuda_available()
+        check_layout(config, cuda_device_count() if self.cuda else None)
         self.sleep_mode = self.cuda if config.sleep_mode is None else config.sleep_mode
         self.port = 0
         # the bearer token the server requires; `--api-key` among `extra_args` wins, as in vLLM
@@ -268,6 +337,8 @@ class VLLMServer:
             cmd += ["--enable-sleep-mode"]
         if c.data_parallel_size > 1:
             cmd += ["--data-parallel-size", str(c.data_parallel_size)]
+        if c.tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(c.tensor_parallel_size)]
         return cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -287,8 +358,15 @@ class VLLMServer:
         )
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}")
         if self.sleep_mode:
-            env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep and /wake_up
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep, /wake_up and /collective_rpc
         env.update(self.config.env)
+        if self.sleep_mode:
+            for change in strip_sleep_breaking_alloc_conf(env):
+                log.warning(
+                    "not passed to vLLM: %s (sleep mode's memory pool cannot run with expandable "
+                    "segments, pytorch#147851; this process keeps its own setting)",
+                    change,
+                )
         env["VLLM_API_KEY"] = self.api_key  # in the environment: a command line is world-readable
         return env
 
