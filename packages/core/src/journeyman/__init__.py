@@ -42,6 +42,7 @@ from journeyman.errors import (
     EmptyGroupError,
     EngineDownError,
     EngineTimeoutError,
+    ImpossiblePlanError,
     InvalidFieldError,
     JourneymanError,
     NoTrainableTokensError,
@@ -51,6 +52,7 @@ from journeyman.errors import (
     TooManyExceptionsError,
     TrainerRankError,
     UnknownModelError,
+    WakeMemoryError,
 )
 from journeyman.rewards.ruler import RulerConfig, RulerJudgeError, ruler_score_group
 from journeyman.rollout.capture import CAPTURE_HEADER, CapturedCall, capture_scope
@@ -99,6 +101,7 @@ __all__ = [
     "EngineDownError",
     "EngineTimeoutError",
     "History",
+    "ImpossiblePlanError",
     "Inference",
     "InvalidFieldError",
     "JourneymanError",
@@ -127,6 +130,7 @@ __all__ = [
     "TrajectoryGroup",
     "UnknownModelError",
     "VLLMConfig",
+    "WakeMemoryError",
     "capture_scope",
     "current_backend",
     "gather_trajectory_groups",

@@ -64,6 +64,32 @@ class EngineTimeoutError(JourneymanError, TimeoutError):
     """An engine did not answer a request within the endpoint's `request_timeout_s` (a 504)."""
 
 
+class WakeMemoryError(JourneymanError, MemoryError):
+    """A stage of an engine's wake (or restart) would not fit the GPU's free memory: refused before
+    the engine tries and runs out. Says what was needed, what is free, and what holds the rest."""
+
+    def __init__(
+        self, *, stage: str, needed: int, free: int, total: int, device: str, holders: str, what: str
+    ) -> None:
+        self.stage, self.needed, self.free, self.total, self.device = stage, needed, free, total, device
+        gib = 1024**3
+        super().__init__(
+            f"{what}, stage {stage!r}, needs {needed / gib:.2f} GiB on {device} but {free / gib:.2f} GiB "
+            f"of {total / gib:.2f} GiB is free; {holders}. Lower VLLMConfig.gpu_memory_utilization, "
+            "or free what the trainer keeps between steps"
+        )
+
+
+class ImpossiblePlanError(JourneymanError, ValueError):
+    """A configuration needs more memory than its GPUs have (`backends/plan.py`), refused before any
+    weights load. The message names what does not fit and the changes that would; `.changes` lists
+    them, `.needed` and `.available` are bytes of the busiest GPU (`.where`)."""
+
+    def __init__(self, message: str, *, needed: int, available: int, where: str, changes: list[str]) -> None:
+        self.needed, self.available, self.where, self.changes = needed, available, where, changes
+        super().__init__(message)
+
+
 class EmptyGroupError(InvalidFieldError):
     """A TrajectoryGroup was built with no trajectories."""
 
@@ -156,6 +182,7 @@ __all__ = [
     "EmptyGroupError",
     "EngineDownError",
     "EngineTimeoutError",
+    "ImpossiblePlanError",
     "InvalidFieldError",
     "JourneymanError",
     "NoTrainableTokensError",
@@ -165,4 +192,5 @@ __all__ = [
     "TooManyExceptionsError",
     "TrainerRankError",
     "UnknownModelError",
+    "WakeMemoryError",
 ]

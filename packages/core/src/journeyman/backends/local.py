@@ -38,6 +38,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("journeyman")
 
 
+def _default_vllm() -> VLLMConfig:
+    from journeyman.engine.vllm_server import VLLMConfig
+
+    return VLLMConfig()
+
+
 def _prefixed(split: str, metrics: Mapping[str, float]) -> dict[str, float]:
     return {f"{split}/{k}": v for k, v in metrics.items()}
 
@@ -194,6 +200,10 @@ class _SFTUpdate:
     async def run(
         self, s: _Service, step: int, on_progress: Progress | None
     ) -> tuple[bool, dict[str, float]]:
+        if s.ranks is not None and s.ranks.sharded:  # rank 0 alone holds 1/N of the base
+            raise InvalidFieldError(
+                "trainer.shard_base", True, "SFT runs on rank 0 alone and needs the whole base there"
+            )
         try:
             return True, await s.engine.call(s.sft_trainer().train, self.rows, self.config, on_progress)
         except BaseException:
@@ -217,6 +227,7 @@ class LocalBackend:
     `engine="vllm"` (or a `VLLMConfig`) samples through a vLLM server process that hot-loads each step's adapter.
     `trainer=TrainerConfig(world_size=N)` trains data-parallel on N ranks (`distributed.py`);
     `engine_replicas=N` serves through N torch engine worker processes (`engine/torch_process.py`).
+    `dtype=None` (default) chooses by device: bfloat16 on a GPU with bf16, else float32 (`policy/precision.py`).
     `report_to=["wandb"]` mirrors every history row, each step's config and sample trajectories to
     Weights & Biases (`tracking.py`); off by default.
     """
@@ -227,7 +238,7 @@ class LocalBackend:
         *,
         engine: str | VLLMConfig = "torch",
         device: str | None = None,
-        dtype: str = "float32",
+        dtype: str | None = None,
         trainer: TrainerConfig | None = None,
         engine_replicas: int = 1,
         report_to: Sequence[str] = (),
@@ -259,9 +270,22 @@ class LocalBackend:
                 self.trainer_config.rank,
                 "rank 0 runs the backend; start the other ranks with `python -m journeyman.training.distributed`",
             )
+        if self.trainer_config.shard_base and self.engine_kind == "torch" and engine_replicas == 1:
+            # a sharded base holds 1/N of each layer: the in-process engine would have no whole
+            # weights to sample from, and rank 0 must run every forward together with the others
+            raise InvalidFieldError(
+                "trainer.shard_base",
+                True,
+                "needs an engine with weights of its own: engine='vllm' (a VLLMConfig) or engine_replicas=N",
+            )
         self.path = Path(path)
         self.device = device
-        self.dtype = dtype
+        from journeyman.policy.lora import pick_device
+        from journeyman.policy.precision import resolve_precision
+
+        # None: by device (bf16 on a GPU that has it, else fp32); the resolved name is what the
+        # policy, the trainer ranks, the engine replicas and vLLM's --dtype all get.
+        self.dtype: str = resolve_precision(dtype, pick_device(device)).dtype
         self._services: dict[str, _Service] = {}
         self._registering = asyncio.Lock()
         # The key each model's own endpoint (127.0.0.1) demands: another local user cannot sample
@@ -290,6 +314,7 @@ class LocalBackend:
         from journeyman.policy.weights import resolve_base_model
 
         weights = resolve_base_model(model.base_model)  # a bad one is refused before torch loads
+        self._plan_memory(model, weights)  # an impossible layout is refused before any weights load
         # The heavy modules load here, when a model is first served, not at `import journeyman`.
         from journeyman.chat.formats import ChatFormat
         from journeyman.policy.lora import LoraPolicy
@@ -332,6 +357,35 @@ class LocalBackend:
         return _Service(
             model, policy, chat_format, engine, endpoint, server, store, trainer, ranks, trackers=trackers
         )
+
+    def _plan_memory(self, model: ModelConfig, weights: Path) -> None:
+        """Log what each GPU will hold (`backends/plan.py`, from the base's config.json and
+        TrainConfig's defaults); on CUDA refuse, with ImpossiblePlanError naming what to change, a
+        layout that cannot fit. On the CPU it is advice only: host memory is shared and paged."""
+        import json
+
+        from journeyman.backends.plan import plan_for_backend
+
+        try:
+            plan = plan_for_backend(
+                json.loads((weights / "config.json").read_text()),
+                model,
+                device=self.device,
+                dtype=self.dtype,
+                trainer=self.trainer_config,
+                vllm=self.vllm_config or (None if self.engine_kind == "torch" else _default_vllm()),
+                engine_replicas=self.engine_replicas,
+            )
+        except (InvalidFieldError, OSError, ValueError) as e:  # a model the plan does not model
+            log.warning("%s: no memory plan (%s)", model.name, e)
+            return
+        log.info("%s: %s", model.name, plan.table())
+        if plan.layout.device == "cuda":
+            plan.check()
+        elif not plan.fits:
+            log.warning(
+                "%s: the memory plan does not fit host memory; going on (on the CPU it is advice)", model.name
+            )
 
     def _make_engine(
         self, weights: Path, policy: LoraPolicy, chat_format: ChatFormat, step: int, checkpoint: Path
@@ -488,7 +542,9 @@ class LocalBackend:
         from journeyman.training.sft import sft_rows
 
         # tokenised before anything is written: a trajectory with nothing to train is refused by name
-        rows, data_metrics = await asyncio.to_thread(sft_rows, flat, s.chat_format, config.max_seq_len)
+        rows, data_metrics = await asyncio.to_thread(
+            sft_rows, flat, s.chat_format, config.max_seq_len, config.long_rows
+        )
         groups = [g if isinstance(g, TrajectoryGroup) else TrajectoryGroup([g]) for g in items]
         return await self._step(s, model, _SFTUpdate(groups, config, rows, data_metrics), **step)
 
@@ -517,21 +573,33 @@ class LocalBackend:
             attempt = begun
             try:
                 s.trackers.config({update.split: update.config.model_dump(mode="json")})
+                # The GPU handoff (engine/handoff.py): the engine sleeps, the trainer steps and gives
+                # its cached blocks back, and the engine wakes in stages with the new adapter loaded
+                # between its weights and its KV cache (`_checkpoint`'s load_adapter); `wake` finishes
+                # a wake that no adapter began (a skipped step, an error).
                 await s.engine.sleep()
                 try:
-                    updated, metrics = await update.run(s, attempt.step, on_progress)
+                    try:
+                        updated, metrics = await update.run(s, attempt.step, on_progress)
+                    finally:
+                        if self.engine_kind == "vllm":  # another process wants the memory back
+                            from journeyman.engine.handoff import return_cached_memory
+
+                            await s.engine.call(return_cached_memory)
+                    metrics = await update.settle(s, metrics)
+                    if updated:
+                        return await self._checkpoint(
+                            s, model, attempt, metrics, update.groups, idempotency_key, trained_by
+                        )
+                    result = TrainResult(step=attempt.step, metrics=metrics, skipped=True)  # nothing learned
+                    self._commit(s, model, attempt.step, attempt, idempotency_key, result)
+                    row = {"step": attempt.step, "split": update.split, "skipped": True}
+                    self._record(
+                        s, _by({**row, **_prefixed(update.split, metrics)}, trained_by), update.groups
+                    )
+                    return result
                 finally:
                     await s.engine.wake()
-                metrics = await update.settle(s, metrics)
-                if updated:
-                    return await self._checkpoint(
-                        s, model, attempt, metrics, update.groups, idempotency_key, trained_by
-                    )
-                result = TrainResult(step=attempt.step, metrics=metrics, skipped=True)  # nothing learned
-                self._commit(s, model, attempt.step, attempt, idempotency_key, result)
-                row = {"step": attempt.step, "split": update.split, "skipped": True}
-                self._record(s, _by({**row, **_prefixed(update.split, metrics)}, trained_by), update.groups)
-                return result
             except BaseException:
                 s.store.fail_attempt(attempt)  # a no-op once the step committed
                 raise

@@ -20,6 +20,32 @@ DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
 
 LossKind = Literal["ppo", "cispo", "gspo"]
 
+LongRows = Literal["split", "keep_end", "cut_end"]
+LONG_ROWS_HELP = (
+    "a row longer than max_seq_len, cut only between sampled turns (training/rows.py `fit_rows`): "
+    "split: several rows, the first the row's exact start, each later one the prompt prefix (system, tools, "
+    "first user message), the latest earlier turns that fit in half the room as untrained context, then the "
+    "next turns trained, so every sampled turn is trained once, the final ones (the outcome) included; "
+    "keep_end: one row, the prefix and the last turns that fit, all trained, the middle turns dropped; "
+    "cut_end: cut at max_seq_len, the run's last turns never trained. Turns whose earlier context was dropped "
+    "are trained without their rollout logprobs (ratio to the trainer's own, as re-tokenised turns), since the "
+    "engine sampled them after a context the row no longer holds. A turn too long to fit after the prefix "
+    "is cut at the end whatever the policy (rows_truncated)"
+)
+CHECKPOINTING_HELP = (
+    "gradient (activation) checkpointing: keep only each decoder layer's input and recompute the layer in the "
+    "backward pass (one more forward pass of time), for the activations of one layer instead of all; "
+    "None: on for CUDA, where memory bounds the row length (TRL's default too); on a CPU only for a step "
+    "with a row of 8192+ tokens, as host memory is larger and the recompute slows the step (docs/scale.md, "
+    "'Long rows')"
+)
+OFFLOAD_HELP = (
+    "keep the activations the backward pass needs in pinned host memory (torch.autograd.graph.save_on_cpu): "
+    "with checkpointing only each layer's input, so GPU memory no longer grows with layers x row length; "
+    "a device-to-host copy each way per layer. CUDA only: on CPU the activations are in host memory already, "
+    "so it does nothing there (logged once, metric offload_activations 0)"
+)
+
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: `$` would let a trailing newline through
 
 
@@ -117,8 +143,13 @@ class TrainConfig(BaseModel):
         description="tokens per forward/backward, one packed sequence (a longer row runs alone); gradients accumulate across micro-batches (135M fp32: peak 4.2 GB at 1024, 5.9 GB at 4096, same speed on CPU)",
     )
     max_seq_len: int = Field(
-        default=4096, ge=16, description="rows longer than this are cut (counted in metrics)"
+        default=4096,
+        ge=16,
+        description="longest row trained; a longer one is fitted by `long_rows` (counted in metrics)",
     )
+    long_rows: LongRows = Field(default="split", description=LONG_ROWS_HELP)
+    gradient_checkpointing: bool | None = Field(default=None, description=CHECKPOINTING_HELP)
+    offload_activations: bool = Field(default=False, description=OFFLOAD_HELP)
     autocast_bf16: bool = Field(
         default=False,
         description="bf16 autocast for the forward pass: faster only where bf16 matmuls are (GPUs, CPUs "
@@ -164,7 +195,17 @@ class SFTConfig(OwnErrorsModel):
         description="tokens per forward/backward (a packed sequence, or a padded batch beyond its shared "
         "prefix); gradients accumulate across micro-batches",
     )
-    max_seq_len: int = Field(default=4096, description="rows longer than this are cut (counted in metrics)")
+    max_seq_len: int = Field(
+        default=4096,
+        description="longest row trained; a longer one is fitted by `long_rows` (counted in metrics)",
+    )
+    long_rows: LongRows = Field(default="split", description=LONG_ROWS_HELP)
+    gradient_checkpointing: bool | None = Field(
+        default=None,
+        description=CHECKPOINTING_HELP + "; packed micro-batches only (packing off keeps the shared prefix's "
+        "KV cache, which a checkpointed layer would not fill)",
+    )
+    offload_activations: bool = Field(default=False, description=OFFLOAD_HELP)
     packing: bool = Field(
         default=True,
         description="concatenate rows into one sequence per micro-batch, each attending only to itself, a "
@@ -218,6 +259,14 @@ class TrainerConfig(BaseModel):
     )
     master_port: int | None = None
     rank: int = Field(default=0, ge=0, description="this process's rank (0 is the backend)")
+    shard_base: bool = Field(
+        default=False,
+        description="split the frozen base's decoder layers across the ranks (training/sharding.py): "
+        "each rank keeps 1/world_size of every layer's weights and all-gathers one layer at a time in "
+        "forward and backward, LoRA stays whole; for a base too large for one GPU (32B on 8x80 GB). "
+        "Rank 0 then runs every forward together with the others, so it needs an engine with weights "
+        "of its own (vLLM, engine replicas)",
+    )
 
     @classmethod
     def from_env(cls) -> TrainerConfig:
@@ -238,6 +287,7 @@ class TrainResult(BaseModel):
 
 __all__ = [
     "DEFAULT_BASE_MODEL",
+    "LongRows",
     "LoraConfig",
     "LossKind",
     "LrSchedule",

@@ -1,8 +1,10 @@
 """Data-parallel training over torch.distributed: rank 0 is the backend, ranks 1..N-1 are workers.
 
-Every rank holds the base model, the same LoRA adapter and the same AdamW state. For a step, rank 0
-posts the job (the groups and the config, as JSON) in the group's store; every rank builds the same
-rows, takes its share of the micro-batches (balanced by tokens), and runs forward and backward;
+Every rank holds the base model (whole, or 1/N of its decoder layers with
+`TrainerConfig(shard_base=True)`: `sharding.py`), the same LoRA adapter and the same AdamW state.
+For a step, rank 0 posts the job's kind in the group's store and broadcasts its body (the groups
+and the config, as JSON) through the process group; every rank builds the same rows, takes its
+share of the micro-batches (balanced by tokens), and runs forward and backward;
 gradients and metric sums are all-reduced (summed: the loss is normalised by the step's global
 token count, so the sum is the gradient one process would get), and every rank applies the same
 clipped AdamW step. Rank 0 writes the checkpoint and the history, as with one process.
@@ -37,7 +39,8 @@ from journeyman.data.config import LoraConfig, TrainConfig, TrainerConfig
 from journeyman.data.types import TrajectoryGroup
 from journeyman.errors import TrainerRankError
 from journeyman.policy.lora import pick_device
-from journeyman.training.collective import Collective
+from journeyman.training.collective import Collective, bind_device
+from journeyman.training.sharding import ShardedBase
 
 if TYPE_CHECKING:
     from journeyman.policy.lora import LoraPolicy
@@ -66,7 +69,18 @@ def _load_state(policy: LoraPolicy, trainer: GRPOTrainer, payload: bytes) -> Non
 
 
 class RankGroup:
-    """Rank 0's handle on the trainer ranks: starts them, hands them each step, stops them."""
+    """Rank 0's handle on the trainer ranks: starts them, hands them each step, stops them.
+
+    Start-up order where the ranks share their GPUs with vLLM: the trainer side first. Each rank
+    loads the base whole and, with `shard_base`, keeps its slice of it (`ShardedBase`), so a
+    rank's peak is at load time (the whole base) and its resident size after that is the shard.
+    vLLM starts after, and takes `gpu_memory_utilization` of each GPU from what is then free. The
+    other way round starves one side: vLLM started first takes its share, weights and KV cache,
+    and the next whole-base load runs out of memory (32B: 65.5 GB on an 80 GB GPU); and vLLM
+    refuses to start when less than its share is free, which a rank still loading makes likely.
+    So a GPU holds the rank's shard, LoRA and AdamW state, plus vLLM's share, which must leave the
+    step's activations room while vLLM sleeps (docs/scale.md, "Sharded base").
+    """
 
     def __init__(
         self,
@@ -89,6 +103,7 @@ class RankGroup:
             self._dir = tempfile.mkdtemp(prefix="journeyman-ranks-")
             store_file = os.path.join(self._dir, "store")
             store = dist.FileStore(store_file, self.world)  # pyright: ignore[reportPrivateImportUsage]
+            _announce(store, config)
             # `python -m`, not multiprocessing: its spawn re-runs the user's script in each child
             # (training scripts rarely guard `asyncio.run(main())`), which then fails or recurses.
             for rank in range(1, self.world):
@@ -113,18 +128,20 @@ class RankGroup:
                 is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
                 timeout=timeout,
             )
+            _announce(store, config)
         self.collective = Collective(store, 0, self.world, policy.device, config)
+        self.sharded = ShardedBase(policy.model, self.collective) if config.shard_base else None
         self.sync()
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self._procs)
 
-    def _post(self, job: dict[str, Any], payload: bytes = b"") -> None:
+    def _post(self, job: dict[str, Any], body: bytes = b"") -> None:
         dead = [code for p in self._procs if (code := p.poll()) is not None]
         if dead:
             raise TrainerRankError(f"{len(dead)} trainer rank(s) exited (codes {dead})")
         self._n += 1
-        self.collective.post(self._n, job, payload)
+        self.collective.post(self._n, job, body)
 
     def sync(self) -> None:
         """Every rank takes rank 0's adapter weights and optimizer state (at start, after a resume)."""
@@ -137,8 +154,11 @@ class RankGroup:
         config: TrainConfig,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> tuple[bool, dict[str, float]]:
-        body = json.dumps([g.model_dump(mode="json") for g in groups]).encode()
-        self._post({"kind": "step", "config": config.model_dump(mode="json")}, body)
+        body = {
+            "config": config.model_dump(mode="json"),
+            "groups": [g.model_dump(mode="json") for g in groups],
+        }
+        self._post({"kind": "step"}, json.dumps(body).encode())
         return self.trainer.step(groups, config, on_progress, collective=self.collective)
 
     def close(self) -> None:
@@ -182,21 +202,31 @@ def run_worker(s: _WorkerSpec, store: Any, alive: Callable[[], bool]) -> None:
     from journeyman.policy.lora import LoraPolicy
     from journeyman.training.trainer import GRPOTrainer
 
-    policy = LoraPolicy(Path(s.base_model), LoraConfig.model_validate(s.lora), device=s.device, dtype=s.dtype)
+    device = pick_device(s.device)
+    bind_device(device)  # before the first CUDA tensor: this rank's context and NCCL on its own GPU
+    policy = LoraPolicy(
+        Path(s.base_model), LoraConfig.model_validate(s.lora), device=str(device), dtype=s.dtype
+    )
     trainer = GRPOTrainer(policy, ChatFormat(policy.tokenizer))
-    collective = Collective(store, s.rank, s.world, policy.device, TrainerConfig.model_validate(s.trainer))
+    # rank 0's choice (a torchrun rank's own config comes from its environment, which lacks it)
+    shard_base = TrainerConfig.model_validate_json(store.get(_ANNOUNCE_KEY)).shard_base
+    config = TrainerConfig.model_validate(s.trainer).model_copy(update={"shard_base": shard_base})
+    collective = Collective(store, s.rank, s.world, policy.device, config)
+    if shard_base:
+        ShardedBase(policy.model, collective)
     n = 0
     while True:
         n += 1
-        job, payload = collective.take(n, alive)
+        job, body = collective.take(n, alive)
         if job["kind"] == "stop":
             return
         if job["kind"] == "state":
-            _load_state(policy, trainer, payload)
+            _load_state(policy, trainer, body)
             collective.broadcast([p.data for p in policy.trainable_parameters()])
         elif job["kind"] == "step":
-            groups = [TrajectoryGroup.model_validate(g) for g in json.loads(payload)]
-            trainer.step(groups, TrainConfig.model_validate(job["config"]), collective=collective)
+            step = json.loads(body)
+            groups = [TrajectoryGroup.model_validate(g) for g in step["groups"]]
+            trainer.step(groups, TrainConfig.model_validate(step["config"]), collective=collective)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -208,7 +238,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--base-model", help="the same base model directory as rank 0's")
     p.add_argument("--lora-r", type=int, default=LoraConfig().r)
     p.add_argument("--lora-alpha", type=int, default=LoraConfig().alpha)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--dtype", default=None, help="default: by device, as rank 0 chooses (policy/precision.py)"
+    )
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
     if args.spawned is not None:
@@ -219,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = TrainerConfig.from_env()
     if config.rank == 0 or config.master_addr is None:
         raise SystemExit("run rank 0 as your training script with trainer=TrainerConfig.from_env()")
+    from journeyman.policy.lora import pick_device
+    from journeyman.policy.precision import resolve_precision
     from journeyman.policy.weights import resolve_base_model
 
     store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
@@ -233,11 +267,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         world=config.world_size,
         base_model=str(resolve_base_model(args.base_model)),
         lora=LoraConfig(r=args.lora_r, alpha=args.lora_alpha).model_dump(),
-        dtype=args.dtype,
+        dtype=resolve_precision(args.dtype, pick_device(args.device)).dtype,
         device=args.device,
         trainer=config.model_dump(),
     )
     run_worker(spec, store, alive=lambda: _reachable(store))
+
+
+_ANNOUNCE_KEY = "trainer"
+
+
+def _announce(store: Any, config: TrainerConfig) -> None:
+    """Rank 0's trainer settings in the store, for the ranks to read at start (control, a few bytes)."""
+    store.set(_ANNOUNCE_KEY, config.model_dump_json().encode())
 
 
 def _reachable(store: Any) -> bool:

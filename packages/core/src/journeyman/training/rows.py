@@ -10,6 +10,10 @@ first turns), which the trainer runs once per micro-batch (`packing.pack_rows`);
 the rest of each prompt run again. Additional histories are rows of their own. Histories
 with no token records (e.g. imported traces) are rendered with the chat template, their assistant
 turns trained as re-tokenised text (flagged, old logprobs unknown).
+
+A row longer than the trainer's limit is fitted between sampled turns (`fit_rows`): by default
+split into rows that each end on a sampled turn, so the last turns of a long agent run, where it
+reaches its outcome, are trained rather than cut off.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from dataclasses import dataclass, field
 
 from journeyman.chat.formats import ChatFormat
 from journeyman.chat.messages import normalize_messages
+from journeyman.data.config import LongRows
 from journeyman.data.types import History, TokenRecord, Trajectory
 from journeyman.errors import NoTrainableTokensError
 from journeyman.rollout.histories import extends
 
-__all__ = ["Row", "history_rows", "trajectory_rows", "truncate_rows"]
+__all__ = ["LONG_ROW_METRICS", "Row", "fit_rows", "history_rows", "trajectory_rows", "truncate_rows"]
 
 NAN = math.nan
 
@@ -126,3 +131,110 @@ def truncate_rows(rows: Sequence[Row], max_seq_len: int) -> int:
             truncated += 1
             del r.input_ids[max_seq_len:], r.trained[max_seq_len:], r.rollout_logprobs[max_seq_len:]
     return truncated
+
+
+LONG_ROW_METRICS = (
+    "rows_over_limit",  # rows longer than max_seq_len
+    "rows_from_long",  # the rows they became
+    "rows_truncated",  # rows cut at max_seq_len (cut_end, or a turn too long to fit after the prefix)
+    "trained_tokens_dropped",  # sampled tokens trained in no row
+    "context_tokens_dropped",  # earlier turns a fitted row does not hold, summed over rows
+)
+
+
+def fit_rows(rows: Sequence[Row], max_seq_len: int, policy: LongRows) -> tuple[list[Row], dict[str, float]]:
+    """Rows no longer than `max_seq_len`: those that fit as they are, a longer one fitted by `policy`
+    (`TrainConfig.long_rows` states the policies), cut only between sampled turns. Returns the rows,
+    in order, and the counts of `LONG_ROW_METRICS`.
+
+    A row is its prompt prefix (every token before the first trained one: system, tools, first user
+    message), then turns: the untrained tokens since the previous sampled run (a tool result, the
+    template's scaffolding) and one sampled run of trained tokens. A fitted row is the prefix, then
+    consecutive whole turns, the earliest of them untrained context, ending on a sampled token."""
+    out: list[Row] = []
+    counts: dict[str, float] = dict.fromkeys(LONG_ROW_METRICS, 0.0)
+    for row in rows:
+        if len(row.input_ids) <= max_seq_len:
+            out.append(row)
+            continue
+        counts["rows_over_limit"] += 1
+        prefix, turns = _turns(row)
+        room = max_seq_len - prefix
+        if policy == "cut_end" or not turns or room < max(end - start for start, end in turns):
+            fitted = [
+                Row(
+                    row.input_ids[:max_seq_len],
+                    row.trained[:max_seq_len],
+                    row.rollout_logprobs[:max_seq_len],
+                    row.advantage,
+                    row.retokenized,
+                )
+            ]
+            counts["rows_truncated"] += 1
+        else:
+            plans = _split(turns, room) if policy == "split" else _keep_end(turns, room)
+            fitted = [_slice(row, prefix, turns, *plan) for plan in plans]
+            counts["context_tokens_dropped"] += sum(turns[context][0] - prefix for context, _, _ in plans)
+        counts["trained_tokens_dropped"] += row.num_trained - sum(r.num_trained for r in fitted)
+        counts["rows_from_long"] += len(fitted)
+        out += fitted
+    return out, counts
+
+
+def _turns(row: Row) -> tuple[int, list[tuple[int, int]]]:
+    """(prefix length, turns): each turn (start, end) runs from the end of the sampled run before it
+    (the prefix's end for the first) to the end of its own sampled run."""
+    t = row.trained
+    ends = [i + 1 for i in range(len(t)) if t[i] and (i + 1 == len(t) or not t[i + 1])]
+    if not ends:
+        return len(t), []
+    prefix = t.index(True)
+    return prefix, list(zip([prefix, *ends[:-1]], ends, strict=True))
+
+
+def _slice(row: Row, prefix: int, turns: list[tuple[int, int]], context: int, first: int, stop: int) -> Row:
+    """The prefix, turns [context, first) as untrained context, then turns [first, stop) as in
+    `row`; their rollout logprobs kept only when no turn between the prefix and them is left out."""
+    out = Row(advantage=row.advantage, retokenized=row.retokenized)
+    out.extend(row.input_ids[:prefix], trained=False)
+    if context < first:
+        out.extend(row.input_ids[turns[context][0] : turns[first - 1][1]], trained=False)
+    start, end = turns[first][0], turns[stop - 1][1]
+    out.input_ids += row.input_ids[start:end]
+    out.trained += row.trained[start:end]
+    out.rollout_logprobs += row.rollout_logprobs[start:end] if context == 0 else [NAN] * (end - start)
+    return out
+
+
+def _split(turns: list[tuple[int, int]], room: int) -> list[tuple[int, int, int]]:
+    """(context, first, stop) per row: the first row the row's exact start (the whole turns that
+    fit); each later one the next turns (at least one) within half the room, after as many of the
+    latest earlier turns as fit in the rest."""
+    plans: list[tuple[int, int, int]] = []
+    first = 0
+    while first < len(turns):
+        budget = room if first == 0 else room - room // 2
+        stop, size = first + 1, _len(turns[first])
+        while stop < len(turns) and size + _len(turns[stop]) <= budget:
+            size += _len(turns[stop])
+            stop += 1
+        context = first
+        while context > 0 and size + _len(turns[context - 1]) <= room:
+            context -= 1
+            size += _len(turns[context])
+        plans.append((context, first, stop))
+        first = stop
+    return plans
+
+
+def _keep_end(turns: list[tuple[int, int]], room: int) -> list[tuple[int, int, int]]:
+    """One row: the last whole turns that fit, all trained."""
+    first, size = len(turns), 0
+    while first > 0 and size + _len(turns[first - 1]) <= room:
+        first -= 1
+        size += _len(turns[first])
+    return [(first, first, len(turns))]
+
+
+def _len(turn: tuple[int, int]) -> int:
+    return turn[1] - turn[0]

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from journeyman.chat.formats import ChatFormat
-from journeyman.data.config import SFTConfig
+from journeyman.data.config import LongRows, SFTConfig
 from journeyman.data.types import Trajectory
 from journeyman.policy.lora import LoraPolicy
 from journeyman.training.packing import (
@@ -40,8 +40,13 @@ from journeyman.training.packing import (
     shared_prefix_length,
     trained_logprobs,
 )
-from journeyman.training.rows import Row, trajectory_rows, truncate_rows
-from journeyman.training.trainer import return_freed_memory
+from journeyman.training.rows import Row, fit_rows, trajectory_rows
+from journeyman.training.trainer import (
+    activation_offload,
+    gradient_checkpointing,
+    return_freed_memory,
+    uses_checkpointing,
+)
 
 
 def sft_loss(logp: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -77,22 +82,30 @@ def predicted_tokens(row: Row) -> int:
 
 
 def sft_rows(
-    trajectories: Sequence[Trajectory], chat_format: ChatFormat, max_seq_len: int
+    trajectories: Sequence[Trajectory],
+    chat_format: ChatFormat,
+    max_seq_len: int,
+    long_rows: LongRows = "split",
 ) -> tuple[list[list[Row]], dict[str, float]]:
-    """Rows of each trajectory (cut to `max_seq_len`); a trajectory with nothing to train raises
-    NoTrainableTokensError naming it (`trajectories[i]`)."""
+    """Rows of each trajectory, a row longer than `max_seq_len` fitted by `long_rows`
+    (`rows.fit_rows`); a trajectory with nothing to train raises NoTrainableTokensError naming it
+    (`trajectories[i]`)."""
     rows = [
         trajectory_rows(t, chat_format, 1.0, where=f"trajectories[{i}]") for i, t in enumerate(trajectories)
     ]
-    flat = [r for rs in rows for r in rs]
-    truncated = truncate_rows(flat, max_seq_len)
-    rows = [[r for r in rs if predicted_tokens(r)] for rs in rows]
-    return rows, {
+    retokenized = sum(r.retokenized for rs in rows for r in rs)
+    counts: dict[str, float] = {}
+    fitted: list[list[Row]] = []
+    for rs in rows:
+        kept, c = fit_rows(rs, max_seq_len, long_rows)
+        fitted.append([r for r in kept if predicted_tokens(r)])
+        counts = {k: counts.get(k, 0.0) + v for k, v in c.items()}
+    return fitted, {
         "trajectories": float(len(trajectories)),
-        "rows": float(sum(len(rs) for rs in rows)),
-        "rows_truncated": float(truncated),
-        "rows_retokenized": float(sum(r.retokenized for r in flat)),
-        "trained_tokens": float(sum(predicted_tokens(r) for rs in rows for r in rs)),
+        "rows": float(sum(len(rs) for rs in fitted)),
+        "rows_retokenized": float(retokenized),
+        "trained_tokens": float(sum(predicted_tokens(r) for rs in fitted for r in rs)),
+        **counts,
     }
 
 
@@ -134,7 +147,7 @@ class SFTTrainer:
         total, padded = 0.0, 0
         batches = self.micro_batches(rows, config)
         for batch in batches:
-            with autocast:
+            with autocast, activation_offload(self.policy.device, config.offload_activations):
                 loss = sft_loss(self.logprobs(batch), num_tokens)
             if backward:
                 loss.backward()
@@ -169,7 +182,13 @@ class SFTTrainer:
         grad_norms: list[float] = []
         micro, padded, done = 0, 0, 0
         model = self.policy.model
-        with self.policy.editing():
+        # packed micro-batches only: a padded batch's shared prefix fills a KV cache, which a
+        # checkpointed layer leaves empty
+        longest = max((len(r.input_ids) for rs in rows for r in rs), default=0)
+        checkpointing = config.packing and uses_checkpointing(
+            config.gradient_checkpointing, self.policy.device, longest
+        )
+        with self.policy.editing(), gradient_checkpointing(self.policy, checkpointing):
             model.train()
             try:
                 for _ in range(config.epochs):
@@ -213,6 +232,8 @@ class SFTTrainer:
             "optimizer_steps": float(total),
             "micro_batches": float(micro),
             "padded_tokens": float(padded),
+            "gradient_checkpointing": float(checkpointing),
+            "offload_activations": float(config.offload_activations and self.policy.device.type == "cuda"),
             "train_seconds": time.perf_counter() - t0,
         }
 

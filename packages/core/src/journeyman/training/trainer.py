@@ -3,30 +3,49 @@
 tokenize (exact sampled ids) -> group advantages -> packed micro-batches (`packing`) -> loss ->
 backward -> AdamW. The LM head runs only on trained positions: prompt tokens need hidden states,
 not logits.
+
+Long rows: rows past `max_seq_len` are fitted between sampled turns (`rows.fit_rows`), and the
+decoder layers can be checkpointed (`gradient_checkpointing`, on by default on CUDA) with what they
+keep offloaded to host memory (`offload_activations`). Checkpointing is switched on for the step
+alone: the engine samples from the same module, and its forward never recomputes anything.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from journeyman.chat.formats import ChatFormat
 from journeyman.data.config import TrainConfig
 from journeyman.data.types import TrajectoryGroup
-from journeyman.policy.lora import LoraPolicy
-from journeyman.training.collective import Collective, balanced_share
+from journeyman.policy.lora import LoraPolicy, attention_implementation
+from journeyman.training.collective import Collective
 from journeyman.training.loss import group_advantages, policy_loss
 from journeyman.training.packing import Pack, pack_rows, packed_logprobs, pad_rows
-from journeyman.training.rows import Row, trajectory_rows, truncate_rows
+from journeyman.training.rows import Row, fit_rows, trajectory_rows
 
-__all__ = ["METRIC_KEYS", "GRPOTrainer", "build_rows", "return_freed_memory"]
+__all__ = [
+    "LONG_ROW_TOKENS",
+    "METRIC_KEYS",
+    "GRPOTrainer",
+    "activation_offload",
+    "build_rows",
+    "gradient_checkpointing",
+    "return_freed_memory",
+    "uses_checkpointing",
+]
+
+log = logging.getLogger("journeyman.training")
 
 # what each micro-batch adds up (loss.policy_loss's metrics and the logprob gap): the same keys on every rank
 METRIC_KEYS = frozenset({"policy_loss", "clip_fraction", "kl", "ratio_mean", "engine_trainer_logprob_gap"})
@@ -46,15 +65,97 @@ def build_rows(
         adv = group_advantages(rewards, scale_by_std=config.scale_rewards)
         for ti, (traj, a) in enumerate(zip(group.trajectories, adv.tolist(), strict=True)):
             rows += trajectory_rows(traj, chat_format, a, where=f"groups[{gi}].trajectories[{ti}]")
-    truncated = truncate_rows(rows, config.max_seq_len)
+    rows, long_rows = fit_rows(rows, config.max_seq_len, config.long_rows)
     rows = [r for r in rows if r.num_trained and r.advantage != 0.0]
     return rows, {
         "groups": float(len(groups)),
         "groups_zero_signal": float(zero),
         "rows": float(len(rows)),
-        "rows_truncated": float(truncated),
         "rows_retokenized": float(sum(r.retokenized for r in rows)),
+        **long_rows,
     }
+
+
+LONG_ROW_TOKENS = 8192
+"""On a CPU, checkpointing is on by default for a step with a row this long: SmolLM2-135M's 30 layers
+keep ~0.4 GB of activations per layer at 8k tokens without it (docs/scale.md, 'Long rows')."""
+
+
+def uses_checkpointing(setting: bool | None, device: torch.device, longest_row: int = 0) -> bool:
+    """`gradient_checkpointing` as set, or when None: on for CUDA, and on a CPU for a step whose
+    longest row has `LONG_ROW_TOKENS` or more (the config's help says why)."""
+    if setting is not None:
+        return setting
+    return device.type == "cuda" or longest_row >= LONG_ROW_TOKENS
+
+
+@contextlib.contextmanager
+def gradient_checkpointing(policy: LoraPolicy, enabled: bool = True) -> Iterator[None]:
+    """The policy's decoder layers checkpointed for the block (transformers' own switch, torch's
+    non-reentrant checkpoint, which needs no input that requires grad). A layer checkpoints only
+    in train mode, so a forward in eval mode inside the block runs as usual; the switch is undone
+    on exit, before the engine samples from the same module again."""
+    if not enabled:
+        yield
+        return
+    causal_lm: Any = policy.model.get_base_model()
+    # transformers 5 renamed the switch; the old name warns there and is all 4.x has
+    enable = (
+        getattr(causal_lm, "activation_checkpointing_enable", None) or causal_lm.gradient_checkpointing_enable
+    )
+    disable = (
+        getattr(causal_lm, "activation_checkpointing_disable", None)
+        or causal_lm.gradient_checkpointing_disable
+    )
+    enable({"use_reentrant": False, "context_fn": _recompute_as_run(causal_lm)})
+    # It also hooks the embeddings' output to require grad, which only the reentrant checkpoint
+    # needs: removed, so no forward (the engine's in inference mode least of all) meets the hook.
+    with contextlib.suppress(AttributeError):  # transformers 4.x adds no hook to a PEFT-wrapped model
+        causal_lm.disable_input_require_grads()
+    try:
+        yield
+    finally:
+        disable()
+
+
+def _recompute_as_run(
+    causal_lm: Any,
+) -> Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]:
+    """torch checkpoint's `context_fn`: a layer's recompute, in the backward pass, runs under the
+    attention implementation its forward ran with. The packed forward switches it for the forward
+    alone (`packing.packed_logprobs`), and the backward comes after the switch back."""
+
+    def context_fn() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+        return contextlib.nullcontext(), _attention_as(causal_lm, causal_lm.config._attn_implementation)
+
+    return context_fn
+
+
+@contextlib.contextmanager
+def _attention_as(causal_lm: Any, name: str) -> Iterator[None]:
+    if causal_lm.config._attn_implementation == name:
+        yield
+        return
+    with attention_implementation(causal_lm, name):
+        yield
+
+
+_offload_noted = False
+
+
+def activation_offload(device: torch.device, enabled: bool) -> AbstractContextManager[Any]:
+    """Around a training forward: the tensors autograd saves for the backward go to pinned host
+    memory (with checkpointing, each layer's input alone) and come back in the backward pass. On a
+    CPU they are in host memory already: nothing to do, noted once in the log."""
+    global _offload_noted
+    if enabled and device.type == "cuda":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    if enabled and not _offload_noted:
+        _offload_noted = True
+        log.info(
+            "offload_activations does nothing on %s: activations are in host memory already", device.type
+        )
+    return contextlib.nullcontext()
 
 
 def return_freed_memory() -> None:
@@ -122,7 +223,13 @@ class GRPOTrainer:
         metrics["trained_tokens"] = float(num_tokens)
         opt = self._optimizer(config)
         model = self.policy.model
-        with self.policy.editing():
+        longest = max(len(r.input_ids) for r in rows)
+        checkpointing = uses_checkpointing(config.gradient_checkpointing, self.policy.device, longest)
+        metrics["gradient_checkpointing"] = float(checkpointing)
+        metrics["offload_activations"] = float(
+            config.offload_activations and self.policy.device.type == "cuda"
+        )
+        with self.policy.editing(), gradient_checkpointing(self.policy, checkpointing):
             model.train()
             opt.zero_grad(set_to_none=True)
             totals: dict[str, float] = {}
@@ -130,15 +237,20 @@ class GRPOTrainer:
             # tokens the model runs, against the rows' own lengths: what running shared prefixes once saves
             metrics["forward_tokens"] = float(sum(b.length for b in batches))
             metrics["row_tokens"] = float(sum(len(r.input_ids) for r in rows))
+            idle, spare = 0, min(batches, key=lambda b: b.length)
             if collective is not None:
-                sizes = [b.length for b in batches]
-                batches = [batches[i] for i in balanced_share(sizes, collective.rank, collective.world)]
+                share, idle = collective.share([b.length for b in batches])
+                batches = [batches[i] for i in share]
             for i, batch in enumerate(batches):
                 out = self._micro_step(batch, num_tokens, config)
                 if on_progress is not None:
                     on_progress(i + 1, len(batches))
                 for k, v in out.items():
                     totals[k] = totals.get(k, 0.0) + v
+            # a sharded base gathers every layer with the other ranks in each forward and backward:
+            # a rank short of the busiest one's micro-batches runs passes that add nothing
+            for _ in range(idle):
+                self._micro_step(spare, num_tokens, config, weight=0.0)
             if collective is not None:
                 totals = self._sum_over_ranks(collective, totals)
             grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -170,7 +282,11 @@ class GRPOTrainer:
         collective.all_reduce([sums])
         return dict(zip(keys, sums.tolist(), strict=True))
 
-    def _micro_step(self, pack: Pack, num_tokens: int, config: TrainConfig) -> dict[str, float]:
+    def _micro_step(
+        self, pack: Pack, num_tokens: int, config: TrainConfig, weight: float = 1.0
+    ) -> dict[str, float]:
+        """Forward and backward of one micro-batch, its loss scaled by `weight` (0: a pass that only
+        keeps a sharded base's ranks in step); returns its metric sums."""
         device = self.policy.device
         inputs = pack.inputs(device)
         # the loss's (B, T) grid of the pack's rows: bookkeeping, no token of it runs through the model
@@ -184,7 +300,7 @@ class GRPOTrainer:
             if config.autocast_bf16
             else contextlib.nullcontext()
         )
-        with autocast:
+        with autocast, activation_offload(device, config.offload_activations):
             logp_flat = packed_logprobs(self.policy.model, inputs, rows_idx, pos_idx)
             ref_flat = None
             if config.kl_coef > 0:
@@ -219,7 +335,7 @@ class GRPOTrainer:
             ref_logp=ref,
             kl_coef=config.kl_coef,
         )
-        loss.backward()
+        (loss * weight).backward()
         with torch.no_grad():
             gap = ((logp.detach() - rollout_lp).abs() * mask).sum() / max(num_tokens, 1)
         metrics["engine_trainer_logprob_gap"] = float(gap)
