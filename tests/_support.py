@@ -227,3 +227,20 @@ class ScriptedBackend:
             m.server.stop()
             m.engine.close()
         self._models.clear()
+
+
+def tiny_llama_config(vocab_size: int = 128, max_position_embeddings: int = 256, **overrides: Any) -> Any:
+    """The 2-layer, 64-wide Llama shape the CPU tests of the trainer, packing, sharding and precision
+    build with random weights (a transformers LlamaConfig; `overrides` set any other field)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        **overrides,
+    )

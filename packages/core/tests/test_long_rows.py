@@ -13,7 +13,7 @@ from typing import Any
 import journeyman as jm
 import pytest
 import torch
-from _support import recorded_choice
+from _support import recorded_choice, tiny_llama_config
 from journeyman.chat.formats import ChatFormat
 from journeyman.policy.lora import LoraPolicy
 from journeyman.training.packing import pack_rows
@@ -179,18 +179,13 @@ def test_build_rows_counts_long_rows(chat_format: ChatFormat) -> None:
 def tiny_policy(tmp_path_factory: pytest.TempPathFactory, chat_format: ChatFormat) -> Iterator[LoraPolicy]:
     """A random 2-layer Llama beside the embedded tokenizer, LoRA r8 on every linear layer, its B
     matrices random too (at zero, lora_A would get no gradient to compare)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     out: Path = tmp_path_factory.mktemp("tiny-llama")
     tok = chat_format.tokenizer
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
+    config = tiny_llama_config(
+        len(tok),
+        4096,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,

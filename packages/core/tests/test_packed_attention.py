@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from _support import tiny_llama_config
 from journeyman.training import packing
 from journeyman.training.packing import (
     Pack,
@@ -23,7 +24,7 @@ from journeyman.training.packing import (
 from journeyman.training.rows import Row
 from peft import LoraConfig, get_peft_model
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2Config
 
 CPU = torch.device("cpu")
 VOCAB = 96
@@ -42,15 +43,7 @@ def _one_thread() -> Iterator[None]:
 def _model(config: PretrainedConfig | None = None) -> Any:
     """A 2-layer model with random weights and a LoRA adapter whose matrices are all nonzero."""
     torch.manual_seed(0)
-    config = config or LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-    )
+    config = config or tiny_llama_config(VOCAB, 8192)
     base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
     model = get_peft_model(base, lora)

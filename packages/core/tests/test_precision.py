@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from _support import tiny_llama_config
 from journeyman.data.config import LoraConfig
 from journeyman.errors import InvalidFieldError
 from journeyman.policy.lora import with_adapter
@@ -91,19 +92,10 @@ def one_thread() -> Iterator[None]:
 def tiny_lora_llama(dtype: torch.dtype, b_scale: float) -> Any:
     """A 2-layer random-weight Llama wrapped with LoRA the way LoraPolicy wraps its model, with B
     drawn at `b_scale` (PEFT starts B at 0, which merges to nothing)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    base = LlamaForCausalLM(config).to(dtype)  # pyright: ignore[reportArgumentType]  (transformers' `.to` stub)
+    base = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=64)).to(dtype)  # pyright: ignore[reportArgumentType]  (transformers' `.to` stub)
     model = with_adapter(base, LoraConfig(r=8, alpha=16))
     set_b(model, b_scale, seed=1)
     return model

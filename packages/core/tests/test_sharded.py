@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import journeyman as jm
 import pytest
 import torch
-from _support import recorded_choice
+from _support import recorded_choice, tiny_llama_config
 from journeyman.data.config import LoraConfig, TrainerConfig
 from journeyman.policy.lora import with_adapter
 from journeyman.training.collective import Collective, balanced_share
@@ -23,19 +23,10 @@ T = TypeVar("T")
 
 def tiny_base(vocab: int = 128, seed: int = 0) -> Any:
     """A 2-layer random-weight Llama."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(tiny_llama_config(vocab))
 
 
 def tiny_llama(seed: int = 0) -> Any:
