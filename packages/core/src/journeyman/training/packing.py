@@ -25,10 +25,11 @@ described by two integers per key. On CUDA that is a FlexAttention block mask an
 layer ("flex"). On other devices torch's FlexAttention has no backward ("flex" there runs its unfused
 reference, without grad, to check a layout), so each row's queries run against its own keys through
 the model's attention function ("rows"), causal without a mask where the row has nothing before its
-span, else with a mask of the row's own size, in chunks of queries for long rows. The dense (1, 1, L, L) mask with `row_attention` ("dense", `packed_attention_mask`)
-and the padded path (`pad_rows`, `trained_logprobs`: a prefix common to every row of a batch run
-once and its keys and values expanded to the batch) are kept as references, the padded one also
-for SFT with packing off.
+span, else with a mask of the row's own size, in chunks of queries for long rows (a padded single
+call would run every row's queries against the longest row's keys). The dense (1, 1, L, L) mask
+with `row_attention` ("dense", `packed_attention_mask`) and the padded path (`pad_rows`,
+`trained_logprobs`: a prefix common to every row of a batch run once and its keys and values
+expanded to the batch) are kept as references, the padded one also for SFT with packing off.
 
 Both attention functions reach transformers through its `AttentionInterface` registry; they are
 registered when first used (`register_row_attention`, `register_packed_attention`), never on import.
