@@ -77,6 +77,7 @@ READER_NAMES: dict[tuple[str, str], set[str]] = {
 # Blocks that need a service this machine lacks: block -> that service. Compiled and checked, not run.
 EXTERNAL: dict[tuple[str, str], str] = {
     ("docs/scale.md", "data_parallel_size=8"): "8 GPUs and vLLM in VENV (the mechanism: test_distributed.py)",
+    ("docs/scale.md", "shard_base=True"): "8 GPUs and vLLM in VENV (the mechanism: test_sharded.py)",
     ("README.md", 'base_model="/models/Qwen3-8B"'): (
         "a Qwen3 checkpoint on disk (the families themselves: packages/core/tests/test_families.py)"
     ),
