@@ -400,7 +400,7 @@ async def test_a_request_arriving_mid_batch_joins_it_and_is_answered_first(serve
 
     model, backend = served
     policy = backend.service(model).policy
-    engine = TorchEngine(policy, stop_ids=set(), continuous=True)  # no stop token: rows sample max_tokens
+    engine = TorchEngine(policy, stop_ids=set())  # no stop token: rows sample max_tokens
     tok = policy.tokenizer
 
     def prompt(text: str) -> list[int]:
@@ -471,7 +471,7 @@ async def test_a_training_step_gets_the_weights_from_an_engine_that_never_runs_d
 
     model, backend = served
     policy = backend.service(model).policy
-    engine = TorchEngine(policy, stop_ids=set(), max_batch_rows=4, continuous=True)
+    engine = TorchEngine(policy, stop_ids=set(), max_batch_rows=4)
     prompt = policy.tokenizer.encode("Count to ten:")
     answered = 0
     stop = asyncio.Event()
@@ -507,8 +507,9 @@ async def test_a_training_step_gets_the_weights_from_an_engine_that_never_runs_d
 
 async def test_torch_work_runs_on_the_sampling_thread_between_batches(served) -> None:
     """`engine.call` (how the backend runs a training step, a save or a load) runs on the engine's
-    own thread once the running batch is done, ahead of requests queued before it; its error comes
-    back to the caller and sampling goes on; a closed engine refuses it by name."""
+    own thread once the running rows are done, ahead of requests that came after it (which join no
+    running rows meanwhile); its error comes back to the caller and sampling goes on; a closed
+    engine refuses it by name."""
     import threading
 
     from journeyman.engine.base import SamplingParams
@@ -533,12 +534,13 @@ async def test_torch_work_runs_on_the_sampling_thread_between_batches(served) ->
         first = asyncio.create_task(engine.generate(prompt, SamplingParams(max_tokens=24, seed=1)))
         while engine.batches == 0:
             await asyncio.sleep(0.01)
+        call = asyncio.create_task(engine.call(work))
+        await asyncio.sleep(0.05)  # the call is pending before the three are queued
         queued = [
             asyncio.create_task(engine.generate(prompt, SamplingParams(max_tokens=2, seed=i)))
             for i in range(3)
         ]
-        await asyncio.sleep(0.05)  # the three are queued before the call
-        assert await engine.call(work) == "done"
+        assert await call == "done"
         assert seen == {"thread": engine.scheduler.thread, "batches": 1, "served": 1}
         await asyncio.gather(first, *queued)
         assert engine.batches == 2  # the queued three sampled together, after the call
@@ -552,29 +554,46 @@ async def test_torch_work_runs_on_the_sampling_thread_between_batches(served) ->
         await engine.call(work)
 
 
-def test_shared_prefix_attention_is_the_models_own_attention() -> None:
-    """Decoding one token a row, the prefix every row holds read once for the batch gives what SDPA
-    gives reading each row's copy: grouped-query heads, a row padded on the left, unfilled slots."""
+@pytest.mark.parametrize(("q_len", "window"), [(1, None), (5, None), (1, 30), (5, 30)])
+def test_slot_attention_is_the_models_own_attention(q_len: int, window: int | None) -> None:
+    """Rows in slots that read part of one shared prefix give what SDPA gives on each row's own
+    keys (its prefix part, then its slots): grouped-query heads, rows reading different lengths of
+    the prefix (one none), slots not filled yet; one token a row (decode) or several (a prefill
+    chunk, causal within the row); with and without a sliding window (Mistral's)."""
     import torch
-    from journeyman.engine.prefix_attention import shared_prefix_attention
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from journeyman.engine.kv import KVPlan
+    from journeyman.engine.slot_attention import slot_attention
 
     g = torch.Generator().manual_seed(0)
-    rows, kv_heads, rep, d, prefix, own = 5, 3, 3, 64, 40, 12
-    key, value = (torch.randn(rows, kv_heads, prefix + own, d, generator=g) for _ in range(2))
-    key[:, :, :prefix], value[:, :, :prefix] = key[:1, :, :prefix], value[:1, :, :prefix]
-    query = torch.randn(rows, kv_heads * rep, 1, d, generator=g)
-    mask = torch.ones(rows, 1, 1, prefix + own, dtype=torch.bool)
-    mask[1, ..., prefix : prefix + 5] = False  # padding between the prefix and a shorter row's own tokens
-    mask[..., -3:] = False  # slots of the static cache not written yet
-    module = torch.nn.Module().eval()
-    module.num_key_value_groups = rep  # what a GQA attention module carries; SDPA reads it
-    want, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, scaling=d**-0.5)
-    got, _ = shared_prefix_attention(
-        module, query, key, value, mask, prefix_slots=prefix, prefix_attention="sdpa", scaling=d**-0.5
+    rows, kv_heads, rep, d, prefix, slots = 4, 3, 3, 64, 40, 24
+    uses = torch.tensor([40, 0, 17, 40])  # prefix tokens each row reads
+    starts = torch.tensor([6, 11, 0, 19])  # filled slots before this pass's tokens
+    k_pre, v_pre = (torch.randn(kv_heads, prefix, d, generator=g) for _ in range(2))
+    key, value = (torch.randn(rows, kv_heads, slots, d, generator=g) for _ in range(2))
+    query = torch.randn(rows, kv_heads * rep, q_len, d, generator=g)
+    write = starts[:, None] + torch.arange(q_len)
+    own_mask = torch.arange(slots) <= write[:, :, None]
+    plan = KVPlan(
+        [key], [value], write, slots, own_mask, [k_pre], [v_pre], torch.arange(prefix) < uses[:, None]
     )
-    assert got.shape == want.shape == (rows, 1, kv_heads * rep, d)
-    assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    got, _ = slot_attention(
+        module, query, key, value, None, jm_plan=plan, scaling=d**-0.5, sliding_window=window
+    )
+    assert got.shape == (rows, q_len, kv_heads * rep, d)
+    for r in range(rows):
+        p = int(uses[r])
+        k = torch.cat([k_pre[:, :p], key[r]], dim=1).repeat_interleave(rep, dim=0)
+        v = torch.cat([v_pre[:, :p], value[r]], dim=1).repeat_interleave(rep, dim=0)
+        mask = torch.cat([torch.ones(q_len, p, dtype=torch.bool), own_mask[r]], dim=1)
+        if window:
+            key_pos = torch.cat([torch.arange(p), p + torch.arange(slots)])
+            mask &= key_pos > (p + write[r])[:, None] - window
+        want = torch.nn.functional.scaled_dot_product_attention(query[r], k, v, attn_mask=mask)
+        assert torch.allclose(got[r].transpose(0, 1), want, atol=1e-5), float(
+            (got[r].transpose(0, 1) - want).abs().max()
+        )
 
 
 async def test_a_shared_prompt_prefix_is_prefilled_once_and_stays_exact(served) -> None:

@@ -163,21 +163,21 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import journeyman.engine.torch_engine, journeyman.training.distributed, journeyman.training.sft
-from journeyman.engine import prefix_attention as pa
+from journeyman.engine import slot_attention as sa
 from journeyman.training import packing
 
-names = [packing.ROW_ATTENTION, pa.PREFIX_ATTENTION]
+names = [packing.ROW_ATTENTION, sa.SLOT_ATTENTION]
 seen = {"imported": [n for n in names if n in ALL_ATTENTION_FUNCTIONS or n in ALL_MASK_ATTENTION_FUNCTIONS]}
 sizes = [[len(ALL_ATTENTION_FUNCTIONS), len(ALL_MASK_ATTENTION_FUNCTIONS)]]
 for _ in range(2):
-    seen["returned"] = [packing.register_row_attention(), pa.register_prefix_attention()]
+    seen["returned"] = [packing.register_row_attention(), sa.register_slot_attention()]
     sizes.append([len(ALL_ATTENTION_FUNCTIONS), len(ALL_MASK_ATTENTION_FUNCTIONS)])
 seen["sizes"] = sizes
 seen["functions"] = [
     ALL_ATTENTION_FUNCTIONS[packing.ROW_ATTENTION] is packing.row_attention,
-    ALL_ATTENTION_FUNCTIONS[pa.PREFIX_ATTENTION] is pa.shared_prefix_attention,
+    ALL_ATTENTION_FUNCTIONS[sa.SLOT_ATTENTION] is sa.slot_attention,
     packing.ROW_ATTENTION in ALL_MASK_ATTENTION_FUNCTIONS,
-    ALL_MASK_ATTENTION_FUNCTIONS[pa.PREFIX_ATTENTION] is ALL_MASK_ATTENTION_FUNCTIONS["sdpa"],
+    sa.SLOT_ATTENTION in ALL_MASK_ATTENTION_FUNCTIONS,
 ]
 print(json.dumps(seen))
 """
@@ -189,8 +189,11 @@ def test_importing_registers_nothing_with_transformers_and_registering_is_idempo
     ).stdout
     seen = json.loads(out.strip().splitlines()[-1])
     assert seen["imported"] == []
-    assert seen["returned"] == ["journeyman_rows", "journeyman_shared_prefix"]
+    assert seen["returned"] == ["journeyman_rows", "journeyman_slots"]
     before, first, second = seen["sizes"]
-    assert first == [before[0] + 2, before[1] + 1]  # two attention functions, one mask function
+    assert first == [
+        before[0] + 2,
+        before[1],
+    ]  # two attention functions; no mask function (theirs are their own)
     assert second == first  # a second call adds nothing
-    assert seen["functions"] == [True, True, False, True]
+    assert seen["functions"] == [True, True, False, False]

@@ -1,13 +1,12 @@
-"""Batches on the policy's model: prompts prefilled into one static KV cache, a token sampled for
-every row at each step, finished rows retired, two batches joined into one.
+"""Rows on the policy's model: each in a KV slot of its own (`kv`), joining and leaving between two
+decode steps, its prompt prefilled in chunks, a token sampled for every ready row at each step.
 
-Identical prompts (n > 1, or a GRPO group's first turn) are prefilled once; each row keeps its own
-temperature, top-p, seed, stop strings and JSON-schema mask (`sampler`). Agent prompts are mostly
-a shared prefix (system prompt, tool definitions: ~570 of ~600 tokens on an MCP server), and
-prefill was the larger part of a rollout turn. The KV of the prefix a batch's prompts share is
-computed once at batch 1, kept across batches until the weights change (`LoraPolicy.version`), and
-copied into each row's static cache; on the CPU, decoding then reads it once for the whole batch
-(`prefix_attention`).
+A row's prompt is not prefilled where its keys and values already exist: the part a shared prompt
+prefix covers (system prompt, tool definitions: ~570 of ~600 tokens on an MCP server) is read from
+`SharedPrefix` by every row at once, and the part an earlier turn covers (an agent's turn k+1
+extends turn k's prompt and answer) is copied from `PrefixCache`. Identical prompts (n > 1) are
+prefilled once. Each row keeps its own temperature, top-p, seed, stop strings and JSON-schema mask
+(`sampler`).
 
 A `BatchRunner` knows the model, not the queue: a step reports which requests it answered or
 failed, and the scheduler (`scheduler`) tells their callers.
@@ -19,26 +18,26 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
-from transformers import DynamicCache, StaticCache
 
 from journeyman.data.prefix import MIN_SHARED_PREFIX, common_prefix_length
 from journeyman.engine.base import FinishReason, Sample, SamplingParams
-from journeyman.engine.prefix_attention import prefix_attention
+from journeyman.engine.kv import KVPlan, PrefixCache, PrefixEntry, SharedPrefix, SlotPool, bucket
 from journeyman.engine.sampler import generator, sample
+from journeyman.engine.slot_attention import slot_attention_on, unsupported_attention
 from journeyman.errors import InvalidFieldError
-from journeyman.policy.lora import LoraPolicy, cache_kv
+from journeyman.policy.lora import LoraPolicy
 
 if TYPE_CHECKING:
     from journeyman.engine.grammar import GrammarCache
 
-__all__ = ["Batch", "BatchRunner", "Request", "Step"]
+__all__ = ["BatchRunner", "Request", "RunnerConfig", "Step"]
 
 
 class Request(Protocol):
-    """What a batch reads of a queued request (the scheduler's job)."""
+    """What a runner reads of a queued request (the scheduler's job)."""
 
     @property
     def prompt_ids(self) -> list[int]: ...
@@ -49,6 +48,19 @@ class Request(Protocol):
 RequestT = TypeVar("RequestT", bound=Request)
 
 
+@dataclass
+class RunnerConfig:
+    """The runner's memory and prefill settings."""
+
+    # Prompt tokens prefilled per forward pass (rows padded to the longest chunk count in full): a
+    # long prompt is prefilled over several passes with decode steps between them, so it does not
+    # stall every running row for its whole prefill.
+    prefill_chunk_tokens: int = 512
+    # Bytes of finished turns' KV kept for the turns that extend them (`PrefixCache`); the least
+    # recently used go first. ~46 KB a token for the embedded 135M model in fp32.
+    prefix_cache_bytes: int = 1 << 30
+
+
 @dataclass(eq=False)
 class _Answer(Generic[RequestT]):
     """One request's samples, filled in by row as its rows finish."""
@@ -56,7 +68,7 @@ class _Answer(Generic[RequestT]):
     job: RequestT
     samples: list[Sample | None]
     left: int  # rows still sampling
-    failed: bool = False  # reported failed: its rows leave the batch
+    failed: bool = False  # reported failed: its rows leave
 
 
 @dataclass(eq=False)
@@ -65,6 +77,10 @@ class _Row(Generic[RequestT]):
     index: int
     generator: torch.Generator | None
     grammar: Any = None  # xgrammar's matcher, when the output is constrained
+    prefix: int = 0  # leading prompt tokens read from the shared prefix
+    length: int = 0  # filled slots: the prompt after `prefix`, then every sampled token but the last
+    pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
+    followers: list[_Row[RequestT]] = field(default_factory=list)  # rows of the same prompt, copied
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -75,84 +91,66 @@ class _Row(Generic[RequestT]):
     def params(self) -> SamplingParams:
         return self.answer.job.params
 
-
-@dataclass(eq=False)
-class Batch(Generic[RequestT]):
-    """The rows being sampled, each with its slots in one static KV cache (left-padded to a common
-    length) and the logits of its next token."""
-
-    rows: list[_Row[RequestT]]
-    cache: StaticCache
-    mask: torch.Tensor  # (B, slots filled): which cache slots each row attends to
-    pos: torch.Tensor  # (B, 1): position id of each row's latest token
-    logits: torch.Tensor  # (B, V): for each row's next token
-    temps: torch.Tensor  # (B,)
-    top_ps: torch.Tensor  # (B,)
-    prefix: int = 0  # leading cache slots that hold the same keys and values in every row
+    @property
+    def prompt(self) -> list[int]:
+        return self.answer.job.prompt_ids
 
 
 @dataclass(eq=False)
 class Step(Generic[RequestT]):
-    """What sampling one token a row settled: requests whose last row finished (with their samples),
-    requests that failed, and the rows (by index) that sample on."""
+    """What one pass settled: requests whose last row finished (with their samples), requests that
+    failed, and (from `advance`) the ready rows, by slot, that sample on."""
 
     answered: list[tuple[RequestT, list[Sample]]] = field(default_factory=list)
     failed: list[tuple[RequestT, Exception]] = field(default_factory=list)
     keep: list[int] = field(default_factory=list)
 
 
-def _room(rows: list[_Row[Any]]) -> int:
-    """Cache slots the rows may still need: the most tokens any of them may yet sample."""
-    return max(r.params.max_tokens - len(r.tokens) for r in rows)
-
-
-def _join(a: Batch[RequestT], b: Batch[RequestT], config: Any) -> Batch[RequestT]:
-    """One batch of both: each row's filled slots right-aligned to the longer of the two, so every
-    row writes its next token into the same slot. Positions are per row (RoPE is applied before
-    caching), so where a row's slots sit does not change what it computes."""
-    la, lb = a.mask.shape[1], b.mask.shape[1]  # the shorter moves right: no prefix slots in common
-    length = max(la, lb)
-    rows = [*a.rows, *b.rows]
-    cache = StaticCache(config=config, max_cache_len=length + _room(rows))
-    for layer, ((ka, va), (kb, vb)) in enumerate(zip(cache_kv(a.cache), cache_kv(b.cache), strict=True)):
-        k = ka.new_zeros((len(rows), ka.shape[1], length, ka.shape[3]))
-        v = va.new_zeros((len(rows), va.shape[1], length, va.shape[3]))
-        k[: len(a.rows), :, length - la :], v[: len(a.rows), :, length - la :] = ka[:, :, :la], va[:, :, :la]
-        k[len(a.rows) :, :, length - lb :], v[len(a.rows) :, :, length - lb :] = kb[:, :, :lb], vb[:, :, :lb]
-        cache.update(k, v, layer)
-    mask = a.mask.new_zeros((len(rows), length))
-    mask[: len(a.rows), length - la :], mask[len(a.rows) :, length - lb :] = a.mask, b.mask
-    return Batch(
-        rows,
-        cache,
-        mask,
-        torch.cat([a.pos, b.pos]),
-        torch.cat([a.logits, b.logits]),
-        torch.cat([a.temps, b.temps]),
-        torch.cat([a.top_ps, b.top_ps]),
-    )
-
-
 class BatchRunner(Generic[RequestT]):
-    """Prefills and decodes batches on `policy`'s model, and keeps the shared-prefix KV between
-    batches. Its methods run on the scheduler's thread inside `sampling()`, except `check_prompt`
-    and `compile`, which any thread may call."""
+    """Prefills and decodes rows on `policy`'s model. Rows `rows[:ready]` sample; the rest are being
+    prefilled. Row i lives in slot i of `pool`. Its methods run on the scheduler's thread inside
+    `sampling()`, except `check_prompt` and `compile`, which any thread may call."""
 
-    def __init__(self, policy: LoraPolicy, stop_ids: set[int]) -> None:
+    def __init__(self, policy: LoraPolicy, stop_ids: set[int], config: RunnerConfig | None = None) -> None:
         self.policy = policy
+        self.config = config or RunnerConfig()
         self.tokenizer = policy.tokenizer
         self.stop_ids = stop_ids
-        self.prefix_computes = 0  # times a shared prompt prefix was prefilled (not found cached)
-        self.prefix_tokens_saved = 0  # prompt tokens whose prefill a shared prefix spared
+        causal_lm = policy.model.get_base_model()
+        why = unsupported_attention(causal_lm.config)
+        if why is not None:
+            raise InvalidFieldError(
+                "base_model",
+                causal_lm.config.model_type,
+                f"the in-process engine serves full attention only ({why}): use the vLLM engine",
+            )
+        self._decoder = causal_lm.get_decoder()
+        self._head = causal_lm.get_output_embeddings()
+        text = causal_lm.config.get_text_config()
+        heads = text.num_attention_heads
+        layout = (
+            text.num_hidden_layers,
+            getattr(text, "num_key_value_heads", None) or heads,
+            getattr(text, "head_dim", None) or text.hidden_size // heads,
+            next(causal_lm.parameters()).dtype,
+            policy.device,
+        )
+        self.pool = SlotPool(*layout)
+        self.shared = SharedPrefix(*layout)
+        self.cache = PrefixCache(self.config.prefix_cache_bytes)
+        self.rows: list[_Row[RequestT]] = []
+        self.ready = 0  # rows[:ready] sample; rows[ready:] are prefilling
+        self.waiting: list[_Row[RequestT]] = []  # followers of a row still prefilling (no slot yet)
+        self.logits: torch.Tensor | None = None  # (ready, V): each ready row's next-token logits
+        self.prefix_computes = 0  # times the shared prefix was computed or extended
+        self.prefix_tokens_saved = 0  # prompt tokens read from the shared prefix instead of prefilled
+        self.prefill_tokens = 0  # prompt tokens prefilled
+        self.decode_steps = 0
         embeddings = policy.model.get_input_embeddings()
         self._vocab = int(embeddings.weight.shape[0])  # token ids the model can embed
-        self._context: int | None = getattr(policy.model.config, "max_position_embeddings", None)
+        self._context: int | None = getattr(text, "max_position_embeddings", None)
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
-        # (policy version, token ids, per-layer (K, V)) of the last shared prompt prefix
-        self._prefix: tuple[int, tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
-        # the model's own attention while `shared_prefix_attention` stands in for it; None: not in use
-        self._inner_attention: str | None = None
 
     # -- any thread ----------------------------------------------------------------------------------
 
@@ -194,91 +192,131 @@ class BatchRunner(Generic[RequestT]):
         """Whether a training step waits for the weights this runner samples with."""
         return bool(self.policy.editors_waiting)
 
+    @property
+    def busy(self) -> bool:
+        """Whether any row is being prefilled or sampled."""
+        return bool(self.rows or self.waiting)
+
+    @property
+    def filling(self) -> bool:
+        return len(self.rows) > self.ready
+
+    @property
+    def row_count(self) -> int:
+        """Rows held: ready, prefilling, and waiting for a row with the same prompt."""
+        return len(self.rows) + len(self.waiting)
+
+    def filling_jobs(self) -> list[RequestT]:
+        """The requests whose rows are still prefilling."""
+        return list(dict.fromkeys(r.answer.job for r in [*self.rows[self.ready :], *self.waiting]))
+
     @contextlib.contextmanager
     def sampling(self) -> Iterator[None]:
-        """Hold the weights to sample (`LoraPolicy.sampling`), with the shared-prefix attention in
-        place, for one or more batches; leaving frees them for a training step."""
-        with self.policy.sampling(), prefix_attention(self.policy.model.get_base_model()) as inner:
-            self._inner_attention = inner
-            try:
-                yield
-            finally:
-                self._inner_attention = None
+        """Hold the weights to sample (`LoraPolicy.sampling`), with `slot_attention` in place, while
+        rows are served; leaving frees them for a training step. Keys and values computed under
+        older weights are dropped on entry."""
+        with self.policy.sampling(), slot_attention_on(self.policy.model.get_base_model()):
+            version = self.policy.version
+            if self.cache.version != version:
+                self.cache.clear(version)
+            if self.shared.version != version:
+                self.shared.clear(version)
+            yield
 
     @torch.inference_mode()
-    def prefill(self, jobs: list[RequestT]) -> Batch[RequestT]:
-        """A batch of `jobs`' rows, their prompts run, ready to sample each row's first token."""
-        device = self.policy.device
+    def admit(self, jobs: list[RequestT]) -> None:
+        """Give `jobs`' rows slots, with what of each prompt is already computed (the shared prefix, a
+        cached earlier turn) in place; `fill` prefills the rest."""
         answers = [_Answer(j, [None] * j.params.n, j.params.n) for j in jobs]
-        rows = [
-            _Row(a, k, generator(a.job.params.seed, k, device), self._grammar(a.job.params.constraint))
-            for a in answers
-            for k in range(a.job.params.n)
-        ]
-        model = self.policy.model
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        model.eval()
-        # Identical prompts (n > 1, or a GRPO group's first turn) are prefilled once, and the
-        # prefix every prompt shares (system prompt, tool definitions) once across batches.
-        slot: dict[tuple[int, ...], int] = {}
-        for j in jobs:
-            slot.setdefault(tuple(j.prompt_ids), len(slot))
-        prompts = list(slot)
-        shared, kv = self._shared_prefix(prompts)
-        suffixes = [p[shared:] for p in prompts]
-        self.prefix_tokens_saved += shared * (len(prompts) - 1)
-        width = max(len(p) for p in suffixes)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), shared + width), dtype=torch.long)
-        mask[:, :shared] = 1
-        for i, p in enumerate(suffixes):  # [shared prefix][padding][own suffix]
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, shared + width - len(p) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        # A static cache: a growing one re-copies every row's whole history at each token,
-        # which cost more than the forward pass at 600-token tool prompts.
-        cache = StaticCache(config=model.config, max_cache_len=shared + width + _room(rows))
-        for layer, (k, v) in enumerate(kv):
-            cache.update(k.expand(len(prompts), -1, -1, -1), v.expand(len(prompts), -1, -1, -1), layer)
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos[:, shared:],
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        fan = torch.tensor([slot[tuple(r.answer.job.prompt_ids)] for r in rows], device=device)
-        cache.reorder_cache(cast(torch.LongTensor, fan))  # stub wants the legacy LongTensor class
-        return Batch(
-            rows,
-            cache,
-            mask[fan],
-            pos[fan][:, -1:],
-            out.logits[:, -1, :].float()[fan],
-            torch.tensor([r.params.temperature for r in rows], device=device),
-            torch.tensor([r.params.top_p for r in rows], device=device),
-            prefix=shared,
-        )
+        prompts = list(dict.fromkeys(tuple(j.prompt_ids) for j in jobs))
+        self._extend_shared(prompts)
+        leaders: dict[tuple[int, ...], _Row[RequestT]] = {}
+        added: list[_Row[RequestT]] = []
+        for a in answers:
+            for k in range(a.job.params.n):
+                row = _Row(
+                    a,
+                    k,
+                    generator(a.job.params.seed, k, self.policy.device),
+                    self._grammar(a.job.params.constraint),
+                )
+                key = tuple(a.job.prompt_ids)
+                if key in leaders:
+                    leaders[key].followers.append(row)
+                    self.waiting.append(row)
+                else:
+                    leaders[key] = row
+                    added.append(row)
+        self.pool.reserve(len(self.rows) + len(added), 0)
+        for row in added:
+            self.rows.append(row)
+            self._place(row, len(self.rows) - 1)
+
+    def drop(self, jobs: list[RequestT]) -> None:
+        """Take `jobs`' rows out (their admission or prefill failed); the others stay as they are."""
+        gone = {id(j) for j in jobs}
+        self.waiting = [r for r in self.waiting if id(r.answer.job) not in gone]
+        leaving = [i for i, r in enumerate(self.rows) if id(r.answer.job) in gone]
+        orphans = [f for i in leaving for f in self.rows[i].followers if id(f.answer.job) not in gone]
+        self._remove(leaving)
+        for f in orphans:  # a row of another request with the same prompt: prefilled on its own now
+            self.waiting.remove(f)
+            self.pool.reserve(len(self.rows) + 1, 0)
+            self.rows.append(f)
+            self._place(f, len(self.rows) - 1)
 
     @torch.inference_mode()
-    def join(self, batch: Batch[RequestT], jobs: list[RequestT]) -> Batch[RequestT]:
-        """The running `batch` with `jobs` prefilled and joined to it (continuous batching)."""
-        return _join(batch, self.prefill(jobs), self.policy.model.config)
+    def fill(self) -> None:
+        """One prefill pass over the oldest prefilling rows, at most `prefill_chunk_tokens` (padded)
+        tokens; rows whose prompt is then in the cache become ready to sample."""
+        budget = max(1, self.config.prefill_chunk_tokens)
+        chunks: list[int] = []
+        for row in self.rows[self.ready :]:
+            c = min(len(row.pending), budget)
+            if chunks and (len(chunks) + 1) * max(*chunks, c) > budget:
+                break
+            chunks.append(c)
+        lo, hi = self.ready, self.ready + len(chunks)
+        rows = self.rows[lo:hi]
+        width = max(chunks)
+        device = self.policy.device
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (row, c) in enumerate(zip(rows, chunks, strict=True)):
+            ids[i, :c] = torch.tensor(row.pending[:c])
+        starts = torch.tensor([r.length for r in rows])
+        self.pool.reserve(0, max(r.length for r in rows) + width)
+        write = (starts[:, None] + torch.arange(width)).to(device)  # (n, width): right-padded
+        kv_len = bucket(int(write.max()) + 1)
+        own_k, own_v = self.pool.rows_view(lo, hi)
+        plan = KVPlan(own_k, own_v, write, kv_len, torch.arange(kv_len, device=device) <= write[:, :, None])
+        self._with_prefix(plan, rows)
+        prefixes = torch.tensor([r.prefix for r in rows], device=device)
+        hidden = self._run(ids.to(device), write + prefixes[:, None], plan)
+        last = hidden[torch.arange(len(rows), device=device), torch.tensor(chunks, device=device) - 1]
+        self.prefill_tokens += sum(chunks)
+        done: list[int] = []
+        for i, (row, c) in enumerate(zip(rows, chunks, strict=True)):
+            row.length += c
+            del row.pending[:c]
+            if not row.pending:
+                done.append(i)
+        if done:
+            logits = self._head(last[done]).float()
+            for i, d in enumerate(done):  # promoting moves rows: each is found where it is now
+                self._promote(self.rows.index(rows[d]), logits[i])
 
     @torch.inference_mode()
-    def advance(self, batch: Batch[RequestT]) -> Step[RequestT]:
-        """Sample one token for every row; retire the rows that finished. A row that raises (its
-        matcher, its stop strings) fails its own request, whose other rows stop too. The batch's
-        tensors are left as they are until `forward`."""
-        rows = batch.rows
+    def advance(self) -> Step[RequestT]:
+        """Sample one token for every ready row; retire the rows that finished. A row that raises (its
+        matcher, its stop strings) fails its own request, whose other rows stop too."""
+        rows = self.rows[: self.ready]
         step: Step[RequestT] = Step()
-        allowed = self._allowed(batch, step)
+        assert self.logits is not None
+        allowed = self._allowed(rows, step)
         draw = sample(
-            batch.logits,
-            batch.temps,
-            batch.top_ps,
+            self.logits,
+            [r.params.temperature for r in rows],
+            [r.params.top_p for r in rows],
             [r.generator for r in rows],
             allowed=allowed,
             top_logprobs=max(r.params.top_logprobs for r in rows),
@@ -309,40 +347,201 @@ class BatchRunner(Generic[RequestT]):
         return step
 
     @torch.inference_mode()
-    def forward(self, batch: Batch[RequestT], keep: list[int]) -> None:
-        """Drop the rows not in `keep` (a step's) and run the model on each kept row's latest token:
-        the batch is then ready to sample the next."""
-        if len(keep) < len(batch.rows):
-            sel = torch.tensor(keep, device=batch.logits.device)
-            batch.cache.reorder_cache(cast(torch.LongTensor, sel))
-            batch.rows = [batch.rows[b] for b in keep]
-            batch.mask, batch.pos = batch.mask[sel], batch.pos[sel]
-            batch.temps, batch.top_ps = batch.temps[sel], batch.top_ps[sel]
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
-        batch.pos = batch.pos + 1
-        latest = torch.tensor([[r.tokens[-1]] for r in batch.rows], device=batch.logits.device)
-        out = self.policy.model(
-            input_ids=latest,
-            attention_mask=batch.mask,
-            position_ids=batch.pos,
-            past_key_values=batch.cache,
-            use_cache=True,
-            **self._prefix_kwargs(batch.prefix),
-        )
-        batch.logits = out.logits[:, -1, :].float()
+    def forward(self, keep: list[int]) -> None:
+        """Retire the ready rows not in `keep` (a step's) and run the model on each kept row's
+        latest token: they are then ready to sample the next."""
+        kept = set(keep)
+        for b, row in enumerate(self.rows[: self.ready]):
+            if b not in kept and row.finish is not None and not row.answer.failed:
+                self._remember(row, b)
+        gone = [b for b in range(self.ready) if b not in kept]
+        gone += [i for i in range(self.ready, len(self.rows)) if self.rows[i].answer.failed]
+        self.waiting = [r for r in self.waiting if not r.answer.failed]
+        self._remove(gone)
+        self.logits = None
+        if not self.ready:
+            return
+        rows = self.rows[: self.ready]
+        device = self.policy.device
+        lengths = torch.tensor([r.length for r in rows])
+        self.pool.reserve(0, int(lengths.max()) + 1)
+        write = lengths[:, None].to(device)  # (n, 1)
+        kv_len = bucket(int(lengths.max()) + 1)
+        own_k, own_v = self.pool.rows_view(0, self.ready)
+        plan = KVPlan(own_k, own_v, write, kv_len, torch.arange(kv_len, device=device) <= write[:, :, None])
+        self._with_prefix(plan, rows)
+        latest = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
+        prefixes = torch.tensor([[r.prefix] for r in rows], device=device)
+        hidden = self._run(latest, write + prefixes, plan)
+        for r in rows:
+            r.length += 1
+        self.decode_steps += 1
+        self.logits = self._head(hidden[:, -1]).float()
+
+    def reset(self) -> list[RequestT]:
+        """Drop every row (a forward pass failed where no row can be singled out); returns their
+        requests."""
+        jobs = list(dict.fromkeys(r.answer.job for r in [*self.rows, *self.waiting]))
+        self.rows, self.waiting, self.ready, self.logits = [], [], 0, None
+        return jobs
+
+    def counters(self) -> dict[str, int]:
+        """What the runner counted since it was made (the step metrics take differences)."""
+        return {
+            "prefill_tokens": self.prefill_tokens,
+            "decode_steps": self.decode_steps,
+            "prefix_computes": self.prefix_computes,
+            "prefix_tokens_saved": self.prefix_tokens_saved,
+            "prefix_cache_hits": self.cache.hits,
+            "prefix_cache_tokens_reused": self.cache.tokens_reused,
+            "prefix_cache_evictions": self.cache.evictions,
+        }
 
     # -- internals -----------------------------------------------------------------------------------
 
-    def _allowed(self, batch: Batch[RequestT], step: Step[RequestT]) -> torch.Tensor | None:
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, plan: KVPlan) -> torch.Tensor:
+        """The decoder's last hidden states (n, q, hidden) for `ids` at `positions` under `plan`."""
+        out = self._decoder(
+            input_ids=ids, position_ids=positions, past_key_values=plan, use_cache=True, jm_plan=plan
+        )
+        return out.last_hidden_state
+
+    def _with_prefix(self, plan: KVPlan, rows: list[_Row[RequestT]]) -> None:
+        """Let `plan` read the shared prefix, as far as each of `rows` uses it."""
+        p = max(r.prefix for r in rows)
+        if not p:
+            return
+        k, v = self.shared.per_layer()
+        device = self.policy.device
+        plan.prefix_k, plan.prefix_v = [t[:, :p] for t in k], [t[:, :p] for t in v]
+        plan.prefix_mask = (
+            torch.arange(p, device=device) < torch.tensor([r.prefix for r in rows], device=device)[:, None]
+        )
+
+    def _extend_shared(self, prompts: list[tuple[int, ...]]) -> None:
+        """Compute (or extend) the shared prefix to what `prompts` share, when that is more than it and
+        a cached earlier turn cover, by at least `MIN_SHARED_PREFIX` tokens. Each prompt keeps at
+        least one token of its own, whose logits start its sampling. The prefix is replaced only
+        while no row reads it."""
+        want = common_prefix_length(prompts, min(len(p) for p in prompts) - 1)
+        tokens = self.shared.tokens
+        have = common_prefix_length([tokens, prompts[0]], min(len(tokens), want))
+        hit = self.cache.find(prompts[0], want) if len(prompts) == 1 else None
+        if want - max(have, hit[1] if hit else 0) < MIN_SHARED_PREFIX:
+            return
+        if have < len(tokens) and any(r.prefix > have for r in [*self.rows, *self.waiting]):
+            return  # another prefix, still read by running rows
+        self._prefill_shared(prompts[0][:want], have)
+
+    def _prefill_shared(self, tokens: tuple[int, ...], start: int) -> None:
+        """Run `tokens[start:]` at batch 1 after the shared prefix's first `start`, in chunks."""
+        device = self.policy.device
+        self.shared.reserve(1, len(tokens))
+        self.shared.tokens = tokens[:start]
+        step = max(1, self.config.prefill_chunk_tokens)
+        for lo in range(start, len(tokens), step):
+            hi = min(len(tokens), lo + step)
+            write = torch.arange(lo, hi, device=device)[None]
+            kv_len = bucket(hi)
+            plan = KVPlan(
+                self.shared.k,
+                self.shared.v,
+                write,
+                kv_len,
+                torch.arange(kv_len, device=device) <= write[:, :, None],
+            )
+            self._run(torch.tensor([tokens[lo:hi]], device=device), write, plan)
+            self.shared.tokens = tokens[:hi]
+        self.prefix_computes += 1
+        self.prefill_tokens += len(tokens) - start
+
+    def _place(self, row: _Row[RequestT], slot: int) -> None:
+        """Put what is already computed of `row`'s prompt in its slot: a cached earlier turn's keys and
+        values, or else the shared prefix's part; the rest is pending."""
+        prompt = tuple(row.prompt)
+        shared = common_prefix_length([prompt, self.shared.tokens], len(prompt) - 1)
+        hit = self.cache.find(prompt, len(prompt) - 1)
+        if hit is not None and hit[1] > shared:
+            entry, length = hit
+            if self.shared.tokens[: entry.prefix] == entry.prefix_tokens:
+                row.prefix, row.length = entry.prefix, length - entry.prefix
+                self.pool.reserve(0, row.length)
+                self.pool.write(slot, entry.kv, row.length)
+                row.pending = list(prompt[length:])
+                self.cache.hits += 1
+                self.cache.tokens_reused += row.length
+                self.prefix_tokens_saved += row.prefix
+                return
+        row.prefix = shared if shared >= MIN_SHARED_PREFIX else 0
+        row.length = 0
+        row.pending = list(prompt[row.prefix :])
+        self.prefix_tokens_saved += row.prefix
+
+    def _promote(self, slot: int, logits: torch.Tensor) -> None:
+        """The prefilling row in `slot` is ready to sample (`logits`: its first token's); so are its
+        followers, each with a copy of its slot."""
+        first = self.ready
+        self._swap(first, slot)
+        leader = self.rows[first]
+        self._ready_with(logits)
+        for f in leader.followers:
+            self.waiting.remove(f)
+            if f.answer.failed:
+                continue
+            f.prefix, f.length = leader.prefix, leader.length
+            self.rows.append(f)
+            last = len(self.rows) - 1
+            self.pool.reserve(len(self.rows), f.length)
+            self.pool.copy(first, last, f.length)
+            self._swap(self.ready, last)  # a prefilling row there moves to the end
+            self._ready_with(logits)
+        leader.followers = []
+
+    def _swap(self, a: int, b: int) -> None:
+        ra, rb = self.rows[a], self.rows[b]
+        self.pool.swap(a, ra.length, b, rb.length)
+        self.rows[a], self.rows[b] = rb, ra
+
+    def _ready_with(self, logits: torch.Tensor) -> None:
+        self.ready += 1
+        self.logits = logits[None] if self.logits is None else torch.cat([self.logits, logits[None]])
+
+    def _remove(self, gone: list[int]) -> None:
+        """Take the rows in slots `gone` out; the others keep their slots but for moves that close
+        the gaps (ready rows first, then the prefilling ones)."""
+        if not gone:
+            return
+        dead = set(gone)
+        ready = [i for i in range(self.ready) if i not in dead]
+        filling = [i for i in range(self.ready, len(self.rows)) if i not in dead]
+        order = ready + filling
+        rows: list[_Row[RequestT]] = []
+        for dst, src in enumerate(order):  # ascending, each to a slot at or below its own: no clobbering
+            self.pool.copy(src, dst, self.rows[src].length)
+            rows.append(self.rows[src])
+        self.rows, self.ready = rows, len(ready)
+
+    def _remember(self, row: _Row[RequestT], slot: int) -> None:
+        """A finished row's keys and values, for a later turn that extends its prompt and answer."""
+        if row.length < 1:
+            return
+        tokens = (*row.prompt, *row.tokens[:-1])
+        entry = PrefixEntry(
+            tokens, row.prefix, self.shared.tokens[: row.prefix], self.pool.read(slot, row.length)
+        )
+        self.cache.put(entry)
+
+    def _allowed(self, rows: list[_Row[RequestT]], step: Step[RequestT]) -> torch.Tensor | None:
         """(B, V) the tokens each row's grammar allows now; None when no row is constrained. A
         matcher that raises fails its request; that row samples unmasked, then leaves."""
-        constrained = [b for b, r in enumerate(batch.rows) if r.grammar is not None]
+        assert self.logits is not None
+        constrained = [b for b, r in enumerate(rows) if r.grammar is not None]
         if not constrained:
             return None
         grammars = self._grammar_cache()
-        forbidden = batch.logits.new_zeros(batch.logits.shape)  # `mask` writes -inf where forbidden
+        forbidden = self.logits.new_zeros(self.logits.shape)  # `mask` writes -inf where forbidden
         for b in constrained:
-            row = batch.rows[b]
+            row = rows[b]
             try:
                 grammars.mask(row.grammar, forbidden, b)
             except Exception as e:
@@ -382,48 +581,6 @@ class BatchRunner(Generic[RequestT]):
                 row.text, row.finish = text[:cut], "stop"
         if row.finish is None and len(row.tokens) >= p.max_tokens:
             row.finish = "length"
-
-    def _prefix_kwargs(self, prefix: int) -> dict[str, Any]:
-        """What `shared_prefix_attention` needs to read the batch's shared prefix once."""
-        if self._inner_attention is None or not prefix:
-            return {}
-        return {"prefix_slots": prefix, "prefix_attention": self._inner_attention}
-
-    def _shared_prefix(
-        self, prompts: list[tuple[int, ...]]
-    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """(length, per-layer (K, V) at batch 1) of the prefix all `prompts` share, from the cache when
-        it was computed under the current weights; (0, []) when the shared part is too short to pay.
-
-        Each prompt keeps at least one token of its own, whose logits start its sampling.
-        """
-        first = prompts[0]
-        common = common_prefix_length(prompts, min(len(p) for p in prompts) - 1)
-        if common < MIN_SHARED_PREFIX:
-            return 0, []
-        cached = self._prefix if self._prefix and self._prefix[0] == self.policy.version else None
-        reuse = common_prefix_length([cached[1], first], common) if cached else 0
-        if reuse < MIN_SHARED_PREFIX:
-            reuse = 0
-        kv = [(k[:, :, :reuse], v[:, :, :reuse]) for k, v in cached[2]] if cached and reuse else []
-        if common - reuse < MIN_SHARED_PREFIX:
-            return reuse, kv
-        # Extend the cached prefix by what this batch shares beyond it, at batch 1.
-        cache = DynamicCache()
-        for layer, (k, v) in enumerate(kv):
-            cache.update(k, v, layer)
-        device = self.policy.device
-        self.policy.model(
-            input_ids=torch.tensor([first[reuse:common]], device=device),
-            position_ids=torch.arange(reuse, common, device=device)[None],
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        kv = cache_kv(cache)
-        self.prefix_computes += 1
-        self._prefix = (self.policy.version, first[:common], kv)
-        return common, kv
 
     def _grammar(self, constraint: tuple[str, str, str] | None) -> Any:
         if constraint is None:

@@ -1,10 +1,12 @@
-"""The in-process engine's worker thread: it gathers queued requests into batches, runs them on a
-`BatchRunner` a step at a time, and runs torch work handed to it (`call`) between batches.
+"""The in-process engine's worker thread: it admits queued requests into the running batch between
+two decode steps (continuous batching: a rollout whose tool call just returned does not wait for
+unrelated ones), interleaves their chunked prefill with decoding, and runs torch work handed to it
+(`call`) when no row is running.
 
-One request's failure stays that request's: a prefill that raises is redone job by job to find the
-culprit (a cost paid only on failure), and a row that raises while decoding takes only its own
-request out of the batch (`BatchRunner.advance` reports it). A worker thread that dies fails the
-requests it held and is replaced, a bounded number of times (`max_restarts`).
+One request's failure stays that request's: a prefill that raises is retried with each of its
+requests alone (a cost paid only on failure), and a row that raises while decoding takes only its
+own request out (`BatchRunner.advance` reports it). A worker thread that dies fails the requests it
+held and is replaced, a bounded number of times (`max_restarts`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from journeyman.engine.base import Sample, SamplingParams, T, hand_over
-from journeyman.engine.batch import Batch, BatchRunner
+from journeyman.engine.batch import BatchRunner
 from journeyman.errors import EngineDownError
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -35,22 +37,12 @@ class SchedulerConfig:
     """How requests are gathered into batches, and how often a worker that dies is replaced."""
 
     max_batch_rows: int = 64  # rows sampled together at most
-    # A new batch gathers requests until none has arrived for `batch_wait_s`, for at most
+    # When no row runs, a new batch gathers requests until none has arrived for `batch_wait_s`, for at most
     # `batch_wait_max_s`. The endpoint hands a burst over one by one (rendering each takes a few
     # ms), so a fixed window from the first request split 32 concurrent rollouts into batches
     # of 1 and 31, and the 31 waited for the first to finish decoding.
     batch_wait_s: float = 0.05
     batch_wait_max_s: float = 0.25
-    # Continuous batching: requests that arrive while a batch samples join it. Off by default: a
-    # join copies every running row's cache and held both caches at once, and it never clearly beat
-    # static batching on this 2-core CPU; a slot-allocated cache that new rows write into would pay.
-    continuous: bool = False
-    # A join copies every running row's cache into a new one and prefills the newcomers on
-    # their own, so it is worth it only for several rows at once: queued rows join when they
-    # are `join_fraction` of the running ones, or the first of them has waited `join_wait_s`.
-    # (Joining each arrival alone made 64 concurrent rollouts crawl: one cache copy per row.)
-    join_fraction: float = 0.25
-    join_wait_s: float = 1.0
     # A worker thread that dies (a bug, a call that raised past `_run_calls`) fails the jobs it
     # held and is replaced, as a dead replica is (`replicas`); one that dies more than
     # `max_restarts` times within `restart_window_s` stays down: a deterministic crash must not spin.
@@ -64,7 +56,6 @@ class _Job:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[list[Sample]]
-    alone: bool = False  # prefilled alone after a batch with it failed as a whole: batched alone
 
 
 @dataclass(eq=False)
@@ -86,11 +77,10 @@ class Scheduler:
         self.runner = runner
         self.config = config
         self.batches = 0
-        self.rows_joined = 0  # rows admitted into a batch that was already sampling
+        self.rows_joined = 0  # rows admitted while other rows were running
         self.served = 0
         self.restarts = 0
         self._deaths: list[float] = []  # when restarts happened, within the window
-        self._queued_since: float | None = None  # when a running batch first saw a queued request
         # why requests are refused (closed, or the worker stays down); None while serving. Read and
         # set under `_lock` with each enqueue, so nothing is queued after the last drain.
         self._down: str | None = None
@@ -98,7 +88,7 @@ class Scheduler:
         # requests; None: close; `_WAKE`: a call is pending (in `_calls`), for a take blocked here
         self._queue: queue.Queue[_Job | object | None] = queue.Queue()
         self._calls: collections.deque[_Call] = collections.deque()  # run before the next batch
-        self._running: list[_Job] = []  # the batch being sampled
+        self._running: list[_Job] = []  # the jobs whose rows the runner holds
         self.thread = self._start_worker()  # replaced when it dies
 
     @property
@@ -161,7 +151,8 @@ class Scheduler:
         log.error("the in-process engine's worker died", exc_info=error)
         # What the dead worker was doing is dropped with it (the runner's `sampling()` exited as
         # it unwound).
-        self._running, self._queued_since = [], None
+        self._running = []
+        self.runner.reset()
         cfg = self.config
         now = time.monotonic()
         self._deaths = [t for t in self._deaths if now - t < cfg.restart_window_s]
@@ -201,11 +192,11 @@ class Scheduler:
             self._fail_queued([], EngineDownError(str(self._down)))
 
     def _serve(self, carry: list[_Job]) -> None:
-        batch: Batch[_Job] | None = None
         cfg = self.config
+        runner = self.runner
         with contextlib.ExitStack() as held:
             while True:
-                if batch is None:
+                if not runner.busy:
                     held.close()  # idle: the weights are free for a training step
                     self._run_calls()
                     jobs = self._take(carry, cfg.max_batch_rows, wait=True)
@@ -214,42 +205,22 @@ class Scheduler:
                         return
                     if not jobs:  # a call came first
                         continue
-                    self._running = [*self._running, *jobs]  # held now: failed, never lost
-                    held.enter_context(self.runner.sampling())
-                    self._queued_since = None
-                    batch = self._open(jobs, carry)
-                elif (
-                    cfg.continuous
-                    and not self.runner.weights_wanted
-                    and not self._calls
-                    and self._worth_joining(batch, carry)
-                ):
-                    # Continuous batching: requests that arrived during earlier decode steps join
-                    # the running batch now. None are admitted while a training step waits for the
-                    # weights, so the batch drains and the step gets them.
-                    jobs = self._take(carry, cfg.max_batch_rows - len(batch.rows), wait=False)
-                    self._queued_since = None
+                    held.enter_context(runner.sampling())
+                    self._admit(jobs)
+                elif not runner.weights_wanted and not self._calls:
+                    # Requests that arrived during the last step join now. None are admitted while a
+                    # training step waits for the weights (or a call waits): the rows drain and the
+                    # step gets them.
+                    room = cfg.max_batch_rows - runner.row_count
+                    jobs = self._take(carry, room, wait=False) if room > 0 else []
                     if jobs:
-                        self._running = [*self._running, *jobs]
-                        batch = self._admit(batch, jobs, carry)
-                if batch is not None:
-                    batch = self._guarded(self._running, self._decode, batch)
-
-    def _worth_joining(self, batch: Batch[_Job], carry: list[_Job]) -> bool:
-        """Whether the requests queued now should join the running batch (see `join_fraction`)."""
-        queued = len(carry) + self._queue.qsize()  # jobs, not rows: a close enough count
-        if not queued:
-            self._queued_since = None
-            return False
-        if len(batch.rows) >= self.config.max_batch_rows:
-            return False
-        now = time.monotonic()
-        if self._queued_since is None:
-            self._queued_since = now
-        return (
-            queued >= self.config.join_fraction * len(batch.rows)
-            or now - self._queued_since >= self.config.join_wait_s
-        )
+                        self._admit(jobs)
+                if runner.filling:
+                    self._fill()
+                if runner.ready:
+                    self._decode()
+                elif runner.busy and not runner.filling:  # rows that nothing would ever advance
+                    raise RuntimeError(f"{runner.row_count} rows held but none prefilling or ready")
 
     def _run_calls(self) -> None:
         while self._calls:
@@ -300,9 +271,8 @@ class Scheduler:
                 continue
             if job.future.cancelled():  # its caller gave up (a timeout): no batch time spent on it
                 continue
-            # The first job of a new batch always fits; a running batch takes only what fits, and
-            # never a job that must be batched alone.
-            if (jobs or not wait) and (job.alone or rows + job.params.n > room):
+            # The first job of a new batch always fits; running rows take only what fits.
+            if (jobs or not wait) and rows + job.params.n > room:
                 carry.insert(0, job)
                 return jobs
             now = time.monotonic()
@@ -310,87 +280,71 @@ class Scheduler:
                 last_call = now + self.config.batch_wait_max_s
             jobs.append(job)
             rows += job.params.n
-            if job.alone:
-                return jobs
             deadline = min(now + self.config.batch_wait_s, last_call)
 
-    def _guarded(
-        self, jobs: list[_Job], run: Callable[..., Batch[_Job] | None], *args: Any
-    ) -> Batch[_Job] | None:
-        """Run one decode step; if it raises where no row can be singled out (the forward pass),
-        the jobs it touched fail with the error (and leave the batch) while the engine goes on."""
+    def _decode(self) -> None:
+        """Sample a token a ready row and answer what that settled, then the forward pass that readies
+        the next token. If that raises where no row can be singled out, the jobs whose rows were
+        running fail with the error (and leave) while the engine goes on."""
         try:
-            return run(*args)
+            step = self.runner.advance()
+            for job, error in step.failed:
+                self._fail(job, error)
+            for job, samples in step.answered:
+                self.served += 1
+                self._running = [j for j in self._running if j is not job]
+                hand_over(job.loop, job.future, samples)
+            self.runner.forward(step.keep)
         except Exception as e:
-            for j in list(jobs):
-                hand_over(j.loop, j.future, error=e)
-            self._running = [j for j in self._running if j not in jobs]
-            return None
-
-    def _decode(self, batch: Batch[_Job]) -> Batch[_Job] | None:
-        """Sample a token a row and answer what that settled, before the forward pass that readies
-        the next token; None when no row is left."""
-        step = self.runner.advance(batch)
-        for job, error in step.failed:
-            self._fail(job, error)
-        for job, samples in step.answered:
-            self.served += 1
-            self._running = [j for j in self._running if j is not job]
-            hand_over(job.loop, job.future, samples)
-        if not step.keep:
-            return None
-        self.runner.forward(batch, step.keep)
-        return batch
+            for j in self.runner.reset():
+                self._fail(j, e)
 
     def _fail(self, job: _Job, error: Exception) -> None:
         """`job` alone fails with `error`."""
         self._running = [j for j in self._running if j is not job]
         hand_over(job.loop, job.future, error=error)
 
-    def _open(self, jobs: list[_Job], carry: list[_Job]) -> Batch[_Job] | None:
-        """A new batch of `jobs`, prefilled; None when that raised (see `_isolate`)."""
+    def _admit(self, jobs: list[_Job]) -> None:
+        """Give `jobs` rows in the runner; if that raises, see `_isolate`."""
+        joined = self.runner.busy
+        self._running = [*self._running, *jobs]  # held now: failed, never lost
         try:
-            batch = self.runner.prefill(jobs)
+            self.runner.admit(jobs)
         except Exception as e:
-            self._isolate(jobs, carry, e)
-            return None
-        self.batches += 1
-        return batch
-
-    def _admit(self, batch: Batch[_Job], jobs: list[_Job], carry: list[_Job]) -> Batch[_Job]:
-        """The running batch with `jobs` joined; as it was when their prefill or the join raised."""
-        try:
-            joined = self.runner.join(batch, jobs)
-        except Exception as e:
-            self._isolate(jobs, carry, e)
-            return batch
-        self.batches += 1
-        self.rows_joined += sum(j.params.n for j in jobs)
-        return joined
-
-    def _isolate(self, jobs: list[_Job], carry: list[_Job], error: Exception) -> None:
-        """The prefill of `jobs` raised: one bad request must not fail the well-formed ones sent
-        with it. Each job is prefilled alone (a cost paid only on failure); those that raise alone
-        fail with their own error, the others go back to the front of the queue (`carry`). If none
-        raises alone, the batch as a whole was the trouble (memory, say): each is then served in a
-        batch of its own, so no batch can fail the same way twice."""
-        if len(jobs) == 1:
-            self._fail(jobs[0], error)
+            jobs = list(dict.fromkeys([*jobs, *self.runner.filling_jobs()]))  # none left prefilling
+            self.runner.drop(jobs)
+            self._isolate(jobs, e)
             return
-        good: list[_Job] = []
+        self.batches += 1
+        if joined:
+            self.rows_joined += sum(j.params.n for j in jobs)
+
+    def _fill(self) -> None:
+        """One prefill pass; if it raises, see `_isolate` (for every job still prefilling)."""
+        try:
+            self.runner.fill()
+        except Exception as e:
+            jobs = self.runner.filling_jobs()
+            self.runner.drop(jobs)
+            self._isolate(jobs, e)
+
+    def _isolate(self, jobs: list[_Job], error: Exception) -> None:
+        """The admission or prefill of `jobs` raised: one bad request must not fail the well-formed
+        ones sent with it. Each is admitted and prefilled alone (a cost paid only on failure): those
+        that raise alone fail with their own error, the others stay, ready to sample with the rest;
+        no pass of several can fail the same way twice."""
+        if len(jobs) > 1:
+            log.warning("a prefill of %d requests failed (%r); each is prefilled alone", len(jobs), error)
         for j in jobs:
             try:
-                self.runner.prefill([j])
+                if len(jobs) == 1:
+                    raise error
+                self.runner.admit([j])
+                while self.runner.filling:  # only `j` prefills: the pass that failed left none
+                    self.runner.fill()
             except Exception as e:
+                self.runner.drop([j])
                 self._fail(j, e)
-            else:
-                good.append(j)
-        if len(good) == len(jobs):
-            log.warning("a prefill of %d requests failed (%r) though each alone did not", len(jobs), error)
-            for j in good:
-                j.alone = True
-        self._running = [j for j in self._running if j not in good]
-        carry[:0] = good
 
     def _fail_queued(self, carry: list[_Job], down: BaseException | None = None) -> None:
         down = down or EngineDownError("the in-process engine stopped before serving this request")

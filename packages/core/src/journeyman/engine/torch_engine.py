@@ -1,12 +1,14 @@
 """The in-process engine: batched sampling from the LoRA policy the trainer updates in place.
 
-Why not transformers' continuous batching: its logprobs come after temperature/top-p, and it has no
-per-request seed, stop strings or grammar masks. This engine is small and in three parts:
-`scheduler` (one worker thread: requests that arrive together share a batch, torch work runs
-between batches, a failure stays its request's, a dead worker is replaced), `batch` (prefill and
-decode on the model, a shared prompt prefix computed once) and `sampler` (a token a row from its
-logits; logprobs are those of the raw model distribution at temperature 1, the same quantity the
-trainer computes). It samples with the adapter merged into the base weights
+Why not transformers' continuous batching (`generate_batch`, paged attention): its logprobs come
+after temperature/top-p, and it has no per-request seed, stop strings or grammar masks, nor a
+prefix read once for every row. This engine is small and in four parts: `scheduler` (one worker
+thread: requests join the running rows between decode steps, torch work runs when none runs, a
+failure stays its request's, a dead worker is replaced), `batch` (chunked prefill and decode on the
+model), `kv` with `slot_attention` (a slot a row, a shared prompt prefix read once, finished
+turns' KV reused by the turns that extend them) and `sampler` (a token a row from its logits;
+logprobs are those of the raw model distribution at temperature 1, the same quantity the trainer
+computes). It samples with the adapter merged into the base weights
 (`LoraPolicy.sampling`): with LoRA on every linear layer, PEFT's extra matmuls and dispatch cost
 12-23% of a decode step of the embedded model (batch 32 and 8).
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from journeyman.engine.base import Engine, Sample, SamplingParams, T
-from journeyman.engine.batch import BatchRunner
+from journeyman.engine.batch import BatchRunner, RunnerConfig
 from journeyman.engine.scheduler import Scheduler, SchedulerConfig
 from journeyman.policy.lora import LoraPolicy
 
@@ -28,7 +30,7 @@ __all__ = ["TorchEngine"]
 
 class TorchEngine(Engine):
     """Checks each request, hands it to the scheduler, and reports what the parts count. See
-    `SchedulerConfig` for the batching and restart settings."""
+    `SchedulerConfig` for the batching and restart settings, `RunnerConfig` for prefill and KV."""
 
     def __init__(
         self,
@@ -37,9 +39,8 @@ class TorchEngine(Engine):
         max_batch_rows: int = 64,
         batch_wait_s: float = 0.05,
         batch_wait_max_s: float = 0.25,
-        continuous: bool = False,
-        join_fraction: float = 0.25,
-        join_wait_s: float = 1.0,
+        prefill_chunk_tokens: int = 512,
+        prefix_cache_bytes: int = 1 << 30,
         max_restarts: int = 3,
         restart_window_s: float = 60.0,
     ) -> None:
@@ -49,13 +50,11 @@ class TorchEngine(Engine):
             max_batch_rows=max_batch_rows,
             batch_wait_s=batch_wait_s,
             batch_wait_max_s=batch_wait_max_s,
-            continuous=continuous,
-            join_fraction=join_fraction,
-            join_wait_s=join_wait_s,
             max_restarts=max_restarts,
             restart_window_s=restart_window_s,
         )
-        self.scheduler = Scheduler(BatchRunner(policy, stop_ids), config)  # starts the worker thread
+        runner = BatchRunner(policy, stop_ids, RunnerConfig(prefill_chunk_tokens, prefix_cache_bytes))
+        self.scheduler = Scheduler(runner, config)  # starts the worker thread
         self.runner = self.scheduler.runner
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
@@ -93,22 +92,13 @@ class TorchEngine(Engine):
         return self.scheduler.alive
 
     @property
-    def continuous(self) -> bool:
-        """Whether requests that arrive while a batch samples join it (settable while serving)."""
-        return self.scheduler.config.continuous
-
-    @continuous.setter
-    def continuous(self, on: bool) -> None:
-        self.scheduler.config.continuous = on
-
-    @property
     def batches(self) -> int:
-        """Batches prefilled, joins included."""
+        """Admissions of requests into the runner (a gathered burst, or arrivals joining running rows)."""
         return self.scheduler.batches
 
     @property
     def rows_joined(self) -> int:
-        """Rows admitted into a batch that was already sampling."""
+        """Rows admitted while other rows were running."""
         return self.scheduler.rows_joined
 
     @property
@@ -125,3 +115,8 @@ class TorchEngine(Engine):
     def prefix_tokens_saved(self) -> int:
         """Prompt tokens whose prefill a shared prefix spared."""
         return self.runner.prefix_tokens_saved
+
+    def counters(self) -> dict[str, int]:
+        """Running counts of prefill and KV reuse (`BatchRunner.counters`): the step metrics report
+        their change over each rollout phase."""
+        return {**self.runner.counters(), "requests_served": self.scheduler.served}
