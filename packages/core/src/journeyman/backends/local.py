@@ -133,6 +133,15 @@ class _Service:
     # step N and both write checkpoint N+1
     step_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sft: SFTTrainer | None = None  # made on the first `train_sft`
+    engine_counts: dict[str, int] = field(default_factory=dict)  # `Engine.counters()` at the last step
+
+    def engine_metrics(self) -> dict[str, float]:
+        """What the engine counted since the last step (prefill tokens, KV reuse), as `engine_*`."""
+        now = self.engine.counters()
+        # a replaced engine replica counts from 0 again: its first step counts from there
+        delta = {f"engine_{k}": float(max(0, v - self.engine_counts.get(k, 0))) for k, v in now.items()}
+        self.engine_counts = now
+        return delta
 
     def sft_trainer(self) -> SFTTrainer:
         from journeyman.training.sft import SFTTrainer
@@ -573,6 +582,7 @@ class LocalBackend:
             attempt = begun
             try:
                 s.trackers.config({update.split: update.config.model_dump(mode="json")})
+                rollout_metrics = s.engine_metrics()  # the rollouts this step trains on
                 # The GPU handoff (engine/handoff.py): the engine sleeps, the trainer steps and gives
                 # its cached blocks back, and the engine wakes in stages with the new adapter loaded
                 # between its weights and its KV cache (`_checkpoint`'s load_adapter); `wake` finishes
@@ -586,7 +596,7 @@ class LocalBackend:
                             from journeyman.engine.handoff import return_cached_memory
 
                             await s.engine.call(return_cached_memory)
-                    metrics = await update.settle(s, metrics)
+                    metrics = {**await update.settle(s, metrics), **rollout_metrics}
                     if updated:
                         return await self._checkpoint(
                             s, model, attempt, metrics, update.groups, idempotency_key, trained_by

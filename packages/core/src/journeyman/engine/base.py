@@ -147,6 +147,10 @@ class Engine(ABC):
     def requests_served(self) -> int:
         return 0
 
+    def counters(self) -> dict[str, int]:
+        """Running counts the step metrics report the change of (`engine_*`); none by default."""
+        return {}
+
     @property
     def alive(self) -> bool:
         """False once the engine can serve nothing more (closed, or its process gone)."""

@@ -116,3 +116,10 @@ class ReplicatedEngine(Engine):
     @property
     def requests_served(self) -> int:
         return sum(r.requests_served for r in self.replicas)
+
+    def counters(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for r in self.replicas:
+            for k, v in r.counters().items():
+                total[k] = total.get(k, 0) + v
+        return total
