@@ -15,6 +15,11 @@ a `git worktree` of it; the engines run one after the other, never at once.
     uv run python bench/engine_throughput.py            # provisions the vLLM CPU environment if absent
     uv run python bench/engine_throughput.py --concurrency 8 32 --max-tokens 48 --rounds 1
     uv run python bench/engine_throughput.py --no-vllm --baseline none   # this tree's engine only
+    uv run python bench/engine_throughput.py --step-boundary  # batches before and after a training step
+
+`--step-boundary` times something else: batches of 32 of the built-in task's rollouts, three before
+a real training step and three after it, each batch's seconds printed, for this tree's engine and
+the baseline's: does the first batch after a step run slower than the later ones?
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import journeyman as jm
-from _task import nonzero_adapter, vllm_model  # bench/ is on sys.path when a bench runs
+from _task import nonzero_adapter, rollout_step, vllm_model  # bench/ is on sys.path when a bench runs
 
 BASELINE = "bc34e73"  # the last revision with the static-batching engine
 TOOLS = [
@@ -117,7 +122,18 @@ async def rounds(
         prefilled = after["prefill_tokens"] - before.get("prefill_tokens", 0)
     else:  # the earlier engine counted only what its shared prefix spared
         prefilled = prompts - (after.get("prefix_tokens_saved", 0) - before.get("prefix_tokens_saved", 0))
+    extra = {}
+    if "decode_rows" in after:
+        steps = after["decode_steps"] - before["decode_steps"]
+        extra = {
+            "rows_per_step": (after["decode_rows"] - before["decode_rows"]) / max(1, steps),
+            "ms_per_step": (after["decode_ms"] - before["decode_ms"]) / max(1, steps),
+            "prefill_s": (after["prefill_ms"] - before["prefill_ms"]) / 1000,
+            "decode_s": (after["decode_ms"] - before["decode_ms"]) / 1000,
+        }
     return {
+        **extra,
+        "seconds": seconds,
         "tok_s": sum(r[0] for r in runs) / seconds,
         "p50": statistics.median(latencies),
         "p99": latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))],
@@ -146,6 +162,30 @@ async def torch_arm(args: argparse.Namespace) -> dict[int, dict[str, float]]:
         backend.close()
 
 
+async def step_boundary() -> list[float]:
+    """Seconds of each of six rollout batches, a training step after the third."""
+    from journeyman.app import tasks
+
+    root = Path(tempfile.mkdtemp(prefix="jm-bench-"))
+    backend = jm.LocalBackend(path=root / "torch")
+    model = jm.TrainableModel(name="bench-boundary", project="bench")
+    await model.register(backend)
+    client = model.openai_client()
+    scenarios = tasks.scenarios("train", 8 * 7, seed=3)
+    seconds: list[float] = []
+    try:
+        groups, _ = await rollout_step(model, client, scenarios[:8], 4, 40)  # warm-up
+        for k in range(6):
+            if k == 3:
+                await model.train(groups, config=jm.TrainConfig(learning_rate=1e-4))
+            t0 = time.perf_counter()
+            groups, _ = await rollout_step(model, client, scenarios[8 * (k + 1) : 8 * (k + 2)], 4, 40)
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        backend.close()
+    return seconds
+
+
 def baseline_arm(args: argparse.Namespace) -> dict[int, dict[str, float]]:
     """The engine of revision `args.baseline`, run from a worktree of it in a child process."""
     repo = Path(__file__).resolve().parents[1]
@@ -157,6 +197,7 @@ def baseline_arm(args: argparse.Namespace) -> dict[int, dict[str, float]]:
             capture_output=True,
         )
     cmd = [sys.executable, __file__, "--arm-only", "--concurrency", *map(str, args.concurrency)]
+    cmd += ["--step-boundary"] if args.step_boundary else []
     cmd += [
         "--max-tokens",
         str(args.max_tokens),
@@ -168,7 +209,7 @@ def baseline_arm(args: argparse.Namespace) -> dict[int, dict[str, float]]:
     env = {**os.environ, "PYTHONPATH": str(tree / "packages" / "core" / "src")}
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=3600).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    return {int(c): r for c, r in result.items()}
+    return result if isinstance(result, list) else {int(c): r for c, r in result.items()}
 
 
 async def vllm_arm(args: argparse.Namespace) -> dict[int, dict[str, float]]:
@@ -194,7 +235,15 @@ def show(label: str, c: int, r: dict[str, float]) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     if args.arm_only:
-        print(json.dumps(await torch_arm(args)))
+        print(json.dumps(await (step_boundary() if args.step_boundary else torch_arm(args))))
+        return
+    if args.step_boundary:
+        runs = {"slots (this tree)": await step_boundary()}
+        if args.baseline != "none":
+            runs[f"static@{args.baseline}"] = baseline_arm(args)  # type: ignore[assignment]
+        print("\nseconds per batch of 32 rollouts (8 prompts x 4), a training step between batches 3 and 4")
+        for label, secs in runs.items():
+            print(f"  {label:18s} " + "  ".join(f"{t:5.1f}" for t in secs))
         return
     results: dict[str, dict[int, dict[str, float]]] = {}
     if args.baseline != "none":
@@ -229,6 +278,7 @@ if __name__ == "__main__":
         "--baseline", default=BASELINE, help="git revision of the engine to compare with, or none"
     )
     parser.add_argument("--no-vllm", action="store_true", help="no vLLM arm")
+    parser.add_argument("--step-boundary", action="store_true", help="batch seconds across a training step")
     parser.add_argument("--arm-only", action="store_true", help=argparse.SUPPRESS)  # a child's run
     parser.add_argument(
         "--vllm-python", default=None, help="vLLM interpreter (default: provision the CPU env)"

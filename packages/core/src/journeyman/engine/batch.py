@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -135,6 +136,7 @@ class BatchRunner(Generic[RequestT]):
             next(causal_lm.parameters()).dtype,
             policy.device,
         )
+        self._layout = layout
         self.pool = SlotPool(*layout)
         self.shared = SharedPrefix(*layout)
         self.cache = PrefixCache(self.config.prefix_cache_bytes)
@@ -146,6 +148,9 @@ class BatchRunner(Generic[RequestT]):
         self.prefix_tokens_saved = 0  # prompt tokens read from the shared prefix instead of prefilled
         self.prefill_tokens = 0  # prompt tokens prefilled
         self.decode_steps = 0
+        self.decode_rows = 0  # rows summed over decode steps: their mean is the batch decoded
+        self.decode_ms = 0.0  # time in decode forward passes
+        self.prefill_ms = 0.0  # time in prefill passes (the shared prefix's included)
         embeddings = policy.model.get_input_embeddings()
         self._vocab = int(embeddings.weight.shape[0])  # token ids the model can embed
         self._context: int | None = getattr(text, "max_position_embeddings", None)
@@ -221,7 +226,12 @@ class BatchRunner(Generic[RequestT]):
                 self.cache.clear(version)
             if self.shared.version != version:
                 self.shared.clear(version)
-            yield
+            try:
+                yield
+            finally:
+                # Idle: the slots go. One long row sizes every slot's capacity (rows x longest), so
+                # a pool kept would hold its peak between rollout phases; regrowing it is cheap.
+                self.pool = SlotPool(*self._layout)
 
     @torch.inference_mode()
     def admit(self, jobs: list[RequestT]) -> None:
@@ -291,7 +301,9 @@ class BatchRunner(Generic[RequestT]):
         plan = KVPlan(own_k, own_v, write, kv_len, torch.arange(kv_len, device=device) <= write[:, :, None])
         self._with_prefix(plan, rows)
         prefixes = torch.tensor([r.prefix for r in rows], device=device)
+        t0 = time.perf_counter()
         hidden = self._run(ids.to(device), write + prefixes[:, None], plan)
+        self.prefill_ms += (time.perf_counter() - t0) * 1000
         last = hidden[torch.arange(len(rows), device=device), torch.tensor(chunks, device=device) - 1]
         self.prefill_tokens += sum(chunks)
         done: list[int] = []
@@ -372,11 +384,14 @@ class BatchRunner(Generic[RequestT]):
         self._with_prefix(plan, rows)
         latest = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
         prefixes = torch.tensor([[r.prefix] for r in rows], device=device)
+        t0 = time.perf_counter()
         hidden = self._run(latest, write + prefixes, plan)
         for r in rows:
             r.length += 1
-        self.decode_steps += 1
         self.logits = self._head(hidden[:, -1]).float()
+        self.decode_steps += 1
+        self.decode_rows += len(rows)
+        self.decode_ms += (time.perf_counter() - t0) * 1000
 
     def reset(self) -> list[RequestT]:
         """Drop every row (a forward pass failed where no row can be singled out); returns their
@@ -390,6 +405,9 @@ class BatchRunner(Generic[RequestT]):
         return {
             "prefill_tokens": self.prefill_tokens,
             "decode_steps": self.decode_steps,
+            "decode_rows": self.decode_rows,
+            "decode_ms": round(self.decode_ms),
+            "prefill_ms": round(self.prefill_ms),
             "prefix_computes": self.prefix_computes,
             "prefix_tokens_saved": self.prefix_tokens_saved,
             "prefix_cache_hits": self.cache.hits,
