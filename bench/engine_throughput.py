@@ -120,8 +120,10 @@ async def rounds(
     prompts = sum(r[1] for r in runs)
     if "prefill_tokens" in after:
         prefilled = after["prefill_tokens"] - before.get("prefill_tokens", 0)
-    else:  # the earlier engine counted only what its shared prefix spared
-        prefilled = prompts - (after.get("prefix_tokens_saved", 0) - before.get("prefix_tokens_saved", 0))
+    elif "prefix_tokens_saved" in after:  # the earlier engine counted only what its shared prefix spared
+        prefilled = prompts - (after["prefix_tokens_saved"] - before.get("prefix_tokens_saved", 0))
+    else:  # vLLM: its prefix cache's hits are not read here
+        prefilled = float("nan")
     extra = {}
     if "decode_rows" in after:
         steps = after["decode_steps"] - before["decode_steps"]
@@ -143,7 +145,7 @@ async def rounds(
 
 
 def engine_counters(engine: Any) -> dict[str, int]:
-    if hasattr(engine, "counters"):
+    if hasattr(engine, "counters") and engine.counters():
         return engine.counters()
     return {"prefix_tokens_saved": getattr(engine, "prefix_tokens_saved", 0)}
 

@@ -244,3 +244,20 @@ def tiny_llama_config(vocab_size: int = 128, max_position_embeddings: int = 256,
         max_position_embeddings=max_position_embeddings,
         **overrides,
     )
+
+
+def embedded_policy_with_adapter() -> Any:
+    """A `LoraPolicy` of the embedded model whose adapter changes its outputs (PEFT starts LoRA's B
+    at 0): seeded random B matrices, the policy's version bumped as a training step would."""
+    import torch
+    from journeyman.policy.lora import LoraPolicy
+    from journeyman.policy.weights import DEFAULT_BASE_MODEL, resolve_base_model
+
+    policy = LoraPolicy(resolve_base_model(DEFAULT_BASE_MODEL))
+    with policy.editing(), torch.no_grad():
+        gen = torch.Generator(policy.device).manual_seed(0)
+        for n, p in policy.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.02, generator=gen)
+        policy.version += 1
+    return policy

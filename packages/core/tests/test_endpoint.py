@@ -12,7 +12,7 @@ import httpx
 import journeyman as jm
 import openai
 import pytest
-from _support import few_shot, tool_round_trip, weather_tools
+from _support import embedded_policy_with_adapter, few_shot, tool_round_trip, weather_tools
 from journeyman.training.rows import trajectory_rows
 
 pytestmark = pytest.mark.integration
@@ -351,20 +351,11 @@ async def test_the_responses_route_refuses_a_previous_response_id(scripted) -> N
 async def test_sampling_on_merged_weights_records_the_trainers_logprobs() -> None:
     """The engine samples with the adapter merged into the base weights; what it records must be
     what the trainer computes on the unmerged model, and unmerging must give the base back."""
-    import torch
     from journeyman.engine.base import SamplingParams
     from journeyman.engine.torch_engine import TorchEngine
-    from journeyman.policy.lora import LoraPolicy
-    from journeyman.policy.weights import DEFAULT_BASE_MODEL, resolve_base_model
 
-    policy = LoraPolicy(resolve_base_model(DEFAULT_BASE_MODEL))
+    policy = embedded_policy_with_adapter()  # unmerged now: its base layers are the base model's
     base = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "base_layer" in n}
-    with policy.editing(), torch.no_grad():  # an adapter that changes the model (PEFT starts B at 0)
-        gen = torch.Generator(policy.device).manual_seed(0)
-        for n, p in policy.model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0.0, 0.02, generator=gen)
-        policy.version += 1
     engine = TorchEngine(policy, stop_ids={policy.tokenizer.eos_token_id})
     try:
         prompt = policy.tokenizer.apply_chat_template(

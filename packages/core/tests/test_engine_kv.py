@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _support import embedded_policy_with_adapter
 from journeyman.engine.base import Sample, SamplingParams
 from journeyman.engine.torch_engine import TorchEngine
 
@@ -20,21 +21,11 @@ SYSTEM = "You are a careful assistant. You answer in one short sentence and neve
 @pytest.fixture(scope="module")
 def policy() -> Iterator[Any]:
     import torch
-    from journeyman.data.config import DEFAULT_BASE_MODEL
-    from journeyman.policy.lora import LoraPolicy
-    from journeyman.policy.weights import resolve_base_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each xdist worker gets (conftest.py)
     try:
-        policy = LoraPolicy(resolve_base_model(DEFAULT_BASE_MODEL))
-        with policy.editing(), torch.no_grad():  # an adapter that changes the model (PEFT starts B at 0)
-            gen = torch.Generator(policy.device).manual_seed(0)
-            for n, p in policy.model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.02, generator=gen)
-            policy.version += 1
-        yield policy
+        yield embedded_policy_with_adapter()
     finally:
         torch.set_num_threads(threads)
 
