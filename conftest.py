@@ -73,7 +73,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(share))
         # vLLM's CPU worker pins its OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`, all cores by
         # default): pinned to the worker's own share, it no longer spins against the other worker
-        # (its learning test took 107 s alone and 292-526 s beside another test).
+        # (its learning test took 107 s alone, 292-526 s beside another test, 128 s pinned: 2026-11-26).
         first = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) * share % (os.cpu_count() or 1)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{first}-{first + share - 1}")
 
