@@ -2,9 +2,10 @@
 cache of finished turns' KV that later turns extend.
 
 - `SlotPool`: per layer, keys and values of shape (slots, kv heads, capacity, head dim). The batch's
-  row i lives in slot i from its first token to its last, so a row joins or leaves between two
-  decode steps without moving any other row (a leaving row's slot takes the last row's, one copy).
-  Positions are the row's own (RoPE is applied before caching), so nothing is ever re-aligned.
+  row i lives in slot i from its first token to its last, so a row joins between two decode steps
+  by writing into the next free slot, with no other row moved; rows that leave are compacted away
+  (the rows after them move down, their filled slots only). Positions are the row's own (RoPE is
+  applied before caching), so nothing is ever re-aligned.
 - `SharedPrefix`: the keys and values of one prompt prefix (system prompt, tool definitions) at
   batch 1; each row reads its first `p` tokens once per step for the whole batch
   (`slot_attention`), so 32 rows after a 570-token prefix read it once, not 32 times.
