@@ -128,6 +128,13 @@ class _Layer:
             self.pending()
             self.pending = None
 
+    def before_backward(self) -> None:
+        """This layer's gradients are next: the last layer's gathers end with the backward, this one
+        gathers now, and the one before it starts on its way."""
+        self.owner.free_at_end_of_backward()
+        self.gather()
+        self.owner.prefetch(self.index - 1)
+
     def free(self) -> None:
         if self.gathered:
             if self.pending is not None:  # never free memory a gather is still writing
@@ -144,7 +151,7 @@ class _Layer:
             return args, kwargs
         self.owner.prefetch(self.index + 1)
         if torch.is_grad_enabled():
-            return _on_hidden(args, kwargs, lambda x: _FreeAfterBackward.apply(x, self))
+            return _on_hidden(args, kwargs, lambda x: _OnBackward.apply(x, self.free))
         return args, kwargs
 
     def _after_forward(
@@ -156,11 +163,11 @@ class _Layer:
         if not torch.is_grad_enabled():
             return output
         if isinstance(output, torch.Tensor):
-            return _GatherBeforeBackward.apply(output, self) if output.requires_grad else output
+            return _OnBackward.apply(output, self.before_backward) if output.requires_grad else output
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
             first: torch.Tensor = output[0]
             if first.requires_grad:
-                return (_GatherBeforeBackward.apply(first, self), *output[1:])
+                return (_OnBackward.apply(first, self.before_backward), *output[1:])
         return output
 
 
@@ -177,34 +184,19 @@ def _on_hidden(
     return args, kwargs
 
 
-class _GatherBeforeBackward(torch.autograd.Function):
-    """Identity on a layer's output; in the backward, gathers the layer before its own gradients run."""
+class _OnBackward(torch.autograd.Function):
+    """Identity on a tensor; `hook()` runs when the tensor's gradient arrives in the backward. On a
+    layer's output it gathers the layer before its own gradients run (`_Layer.before_backward`); on
+    its input it frees the layer once its gradient is complete (`_Layer.free`)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        ctx.layer = layer
+    def forward(ctx: Any, x: torch.Tensor, hook: Callable[[], None]) -> torch.Tensor:
+        ctx.hook = hook
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor, None]:
-        layer: _Layer = ctx.layer
-        layer.owner.free_at_end_of_backward()
-        layer.gather()
-        layer.owner.prefetch(layer.index - 1)
-        return grad_outputs[0], None
-
-
-class _FreeAfterBackward(torch.autograd.Function):
-    """Identity on a layer's input; in the backward, frees the layer once its gradient is complete."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        ctx.layer = layer
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.layer.free()
+        ctx.hook()
         return grad_outputs[0], None
 
 
