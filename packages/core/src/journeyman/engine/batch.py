@@ -25,7 +25,7 @@ import torch
 
 from journeyman.data.prefix import MIN_SHARED_PREFIX, common_prefix_length
 from journeyman.engine.base import FinishReason, Sample, SamplingParams
-from journeyman.engine.kv import KVPlan, PrefixCache, PrefixEntry, SharedPrefix, SlotPool, bucket
+from journeyman.engine.kv import KVPlan, PrefixCache, PrefixEntry, SharedPrefix, SlotPool
 from journeyman.engine.sampler import generator, sample
 from journeyman.engine.slot_attention import slot_attention_on, unsupported_attention
 from journeyman.errors import InvalidFieldError
@@ -296,9 +296,8 @@ class BatchRunner(Generic[RequestT]):
         starts = torch.tensor([r.length for r in rows])
         self.pool.reserve(0, max(r.length for r in rows) + width)
         write = (starts[:, None] + torch.arange(width)).to(device)  # (n, width): right-padded
-        kv_len = bucket(int(write.max()) + 1)
         own_k, own_v = self.pool.rows_view(lo, hi)
-        plan = KVPlan(own_k, own_v, write, kv_len, torch.arange(kv_len, device=device) <= write[:, :, None])
+        plan = KVPlan.causal(own_k, own_v, write, max(r.length for r in rows) + width - 1)
         self._with_prefix(plan, rows)
         prefixes = torch.tensor([r.prefix for r in rows], device=device)
         t0 = time.perf_counter()
@@ -378,9 +377,8 @@ class BatchRunner(Generic[RequestT]):
         lengths = torch.tensor([r.length for r in rows])
         self.pool.reserve(0, int(lengths.max()) + 1)
         write = lengths[:, None].to(device)  # (n, 1)
-        kv_len = bucket(int(lengths.max()) + 1)
         own_k, own_v = self.pool.rows_view(0, self.ready)
-        plan = KVPlan(own_k, own_v, write, kv_len, torch.arange(kv_len, device=device) <= write[:, :, None])
+        plan = KVPlan.causal(own_k, own_v, write, int(lengths.max()))
         self._with_prefix(plan, rows)
         latest = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
         prefixes = torch.tensor([[r.prefix] for r in rows], device=device)
@@ -460,14 +458,7 @@ class BatchRunner(Generic[RequestT]):
         for lo in range(start, len(tokens), step):
             hi = min(len(tokens), lo + step)
             write = torch.arange(lo, hi, device=device)[None]
-            kv_len = bucket(hi)
-            plan = KVPlan(
-                self.shared.k,
-                self.shared.v,
-                write,
-                kv_len,
-                torch.arange(kv_len, device=device) <= write[:, :, None],
-            )
+            plan = KVPlan.causal(self.shared.k, self.shared.v, write, hi - 1)
             self._run(torch.tensor([tokens[lo:hi]], device=device), write, plan)
             self.shared.tokens = tokens[:hi]
         self.prefix_computes += 1

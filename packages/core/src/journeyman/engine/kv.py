@@ -53,6 +53,16 @@ class KVPlan:
     prefix_v: list[torch.Tensor] | None = None
     prefix_mask: torch.Tensor | None = None
 
+    @classmethod
+    def causal(
+        cls, own_k: list[torch.Tensor], own_v: list[torch.Tensor], write_pos: torch.Tensor, last: int
+    ) -> KVPlan:
+        """A plan whose queries each read every slot up to their own (`last`: the highest of
+        `write_pos`, known on the host), over the first `bucket(last + 1)` slots."""
+        kv_len = bucket(last + 1)
+        mask = torch.arange(kv_len, device=write_pos.device) <= write_pos[:, :, None]
+        return cls(own_k, own_v, write_pos, kv_len, mask)
+
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *_: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
