@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 from journeyman.chat.formats import ChatFormat
-from journeyman.data.config import DEFAULT_BASE_MODEL, TrainConfig
+from journeyman.data.config import DEFAULT_BASE_MODEL, TrainConfig, micro_batch_tokens
 from journeyman.policy.lora import LoraPolicy
 from journeyman.policy.weights import resolve_base_model
 from journeyman.training.packing import Pack, PrefixTree, pack_rows, pack_tree
@@ -114,18 +114,17 @@ def train_half(
     policy = trainer.policy
     num_tokens = sum(r.num_trained for r in rows)
     tree: PrefixTree | None = None
+    budget = micro_batch_tokens(config.micro_batch_tokens, config.max_seq_len, policy.device.type)
     with policy.editing():
         policy.model.train()
         policy.model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         packs: list[Pack]
         if how == "after":
-            tree = pack_tree(rows, config.micro_batch_tokens)
+            tree = pack_tree(rows, budget)
             packs = tree.packs
         else:
-            packs = pack_rows(
-                rows, config.micro_batch_tokens, attention="dense" if how == "before" else "auto"
-            )
+            packs = pack_rows(rows, budget, attention="dense" if how == "before" else "auto")
         for pack in packs:
             trainer._micro_step(pack, num_tokens, config)  # pyright: ignore[reportPrivateUsage]
         if tree is not None:
@@ -147,7 +146,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--groups", type=int, default=1)
     ap.add_argument("--rollouts", type=int, default=8)
-    ap.add_argument("--micro-batch-tokens", type=int, default=TrainConfig().micro_batch_tokens)
+    ap.add_argument("--micro-batch-tokens", type=int, default=1024)  # TrainConfig's on a CPU
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()

@@ -13,7 +13,8 @@ Sections (torch, transformers and peft; no hub download, no vLLM):
    logprobs, relative diff of LoRA gradients (`bench/packed_attention_check.py`);
 5. the memory handoff: a real train step, `handoff.return_cached_memory`, then an allocation of what
    a woken engine could claim in a second process, which must succeed;
-6. decode tokens/s of the in-process torch engine at 8, 32 and 128 rows;
+6. decode tokens/s of the in-process torch engine at 8, 32 and 128 rows, eager and replayed (CUDA
+   graphs), and the two modes' greedy logprobs against each other;
 7. `bench/grpo_step.py`: Journeyman's GRPO step against TRL's (skipped without TRL);
 8. `bench/vllm_wake_check.py` (skipped, with its reason, without vLLM or CUDA).
 
@@ -177,7 +178,7 @@ REAL = Sizes(
     decode_tokens=128,
     grpo_steps=3,
     grpo_task=None,
-    budgets={1: 75, 2: 75, 3: 130, 4: 60, 5: 45, 6: 45, 7: 150, 8: 120},
+    budgets={1: 75, 2: 75, 3: 130, 4: 60, 5: 45, 6: 100, 7: 150, 8: 120},
 )
 DRY = Sizes(
     groups=1,
@@ -723,7 +724,10 @@ def section_handoff(ck: Check) -> None:
 
 
 def section_decode(ck: Check) -> None:
-    from journeyman.engine.base import SamplingParams
+    """Decode tokens/s of the in-process engine at each row count, its step run eagerly and at fixed
+    shapes (replayed as CUDA graphs on CUDA; `engine/decode_graph.py`), and how far the two modes'
+    greedy logprobs are apart."""
+    from journeyman.engine.base import Sample, SamplingParams
     from journeyman.engine.torch_engine import TorchEngine
     from journeyman.policy.lora import LoraPolicy
 
@@ -731,36 +735,78 @@ def section_decode(ck: Check) -> None:
     s = ck.sizes
     policy = LoraPolicy(ck.base_dir, device=str(ck.device))
     vocab = int(policy.model.get_base_model().config.vocab_size)
-    engine = TorchEngine(policy, stop_ids=set(), max_batch_rows=max(s.decode_rows))
     gen = torch.Generator().manual_seed(0)
+    prompts = {
+        n: [torch.randint(3, vocab, (s.decode_prompt,), generator=gen).tolist() for _ in range(n)]
+        for n in s.decode_rows
+    }
+    greedy: dict[str, list[Sample]] = {}
+    dtype = str(policy.dtype).removeprefix("torch.")
 
-    async def rows(n: int, tokens: int) -> tuple[int, float]:
-        params = SamplingParams(max_tokens=tokens, temperature=1.0)
-        prompts = [torch.randint(3, vocab, (s.decode_prompt,), generator=gen).tolist() for _ in range(n)]
+    async def rows(
+        engine: TorchEngine, n: int, tokens: int, temperature: float = 1.0
+    ) -> tuple[list[Sample], float]:
+        params = SamplingParams(max_tokens=tokens, temperature=temperature)
         t0 = time.perf_counter()
-        out = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-        return sum(len(x.token_ids) for samples in out for x in samples), time.perf_counter() - t0
+        out = await asyncio.gather(*(engine.generate(p, params) for p in prompts[n]))
+        return [x for samples in out for x in samples], time.perf_counter() - t0
 
-    async def run() -> None:
-        await rows(8, 4)  # warm-up
+    async def run(engine: TorchEngine, mode: str) -> None:
+        label = "replayed" if mode == "fixed" and ck.cuda else mode
         for n in s.decode_rows:
-            if ck.out_of_time(f"{n} rows"):
+            if ck.out_of_time(f"{label}: {n} rows"):
                 continue
-            tokens, seconds = await rows(n, s.decode_tokens)
+            await rows(engine, n, s.decode_tokens)  # warm-up: the same shapes (and captures)
+            samples, seconds = await rows(engine, n, s.decode_tokens)
+            tokens = sum(len(x.token_ids) for x in samples)
             ck.add(
-                f"{n} rows x {s.decode_tokens} tokens",
+                f"{label}: {n} rows x {s.decode_tokens} tokens",
                 tokens / seconds,
                 "tok/s",
                 tokens == n * s.decode_tokens,
-                f"{str(policy.dtype).removeprefix('torch.')}, prompt {s.decode_prompt}, prefill included",
+                f"{dtype}, prompt {s.decode_prompt}, prefill included",
             )
-            ck.say(f"decode {n} rows: {tokens / seconds:.0f} tok/s")
+            ck.say(f"decode {label} {n} rows: {tokens / seconds:.0f} tok/s")
+        if not ck.out_of_time(f"{label}: greedy"):
+            greedy[mode] = (await rows(engine, min(s.decode_rows), s.decode_tokens, temperature=0.0))[0]
 
-    try:
-        asyncio.run(run())
-    finally:
-        engine.close()
-        engine.join(10.0)
+    for mode in ("eager", "fixed"):
+        engine = TorchEngine(policy, stop_ids=set(), max_batch_rows=max(s.decode_rows), decode=mode)  # pyright: ignore[reportArgumentType]
+        try:
+            asyncio.run(run(engine, mode))
+            graphs = engine.runner.graphs
+            if mode == "fixed" and graphs is not None:
+                ck.add(
+                    "graphs captured / steps replayed",
+                    f"{graphs.captures} / {graphs.replays}",
+                    ok=graphs.failure is None,
+                    note=graphs.failure or ("" if ck.cuda else "no CUDA: the fixed-shape step runs eagerly"),
+                )
+        finally:
+            engine.close()
+            engine.join(10.0)
+    if len(greedy) == 2:  # logprobs compared up to each pair's first differing token
+        pairs = list(zip(greedy["eager"], greedy["fixed"], strict=True))
+        same = sum(x.token_ids == y.token_ids for x, y in pairs)
+        gaps = [0.0]
+        for x, y in pairs:
+            for t, u, p, q in zip(x.token_ids, y.token_ids, x.logprobs, y.logprobs):  # noqa: B905
+                if t != u:
+                    break
+                gaps.append(abs(p - q))
+        judged = dtype == "float32"  # bf16 sums differ with the batch shape; reported, not judged
+        ck.add(
+            "greedy rows equal, eager vs fixed",
+            f"{same}/{len(pairs)}",
+            ok=same == len(pairs) if judged else None,
+        )
+        ck.add(
+            "greedy logprob max|diff|, eager vs fixed",
+            max(gaps),
+            "",
+            max(gaps) <= 1e-4 if judged else None,
+            dtype,
+        )
 
 
 def section_grpo(ck: Check) -> None:

@@ -69,5 +69,6 @@ def test_dry_run_runs_every_section_and_writes_strict_json(tmp_path: Path) -> No
     assert len(gaps) >= 5 and max(gaps) < 1e-4, packed
     assert by_section["5 memory handoff"]["wake-sized allocation, 2nd process"]["ok"] is True
     decode = [row for setting, row in by_section["6 decode"].items() if setting.endswith("tokens")]
-    assert len(decode) == 3 and all(row["figure"] > 0 and row["ok"] for row in decode), decode
+    assert len(decode) == 6 and all(row["figure"] > 0 and row["ok"] for row in decode), decode  # eager, fixed
+    assert by_section["6 decode"]["greedy logprob max|diff|, eager vs fixed"]["ok"] is True
     assert "CUDA" in by_section["8 vLLM wake"]["wake check"]["note"]

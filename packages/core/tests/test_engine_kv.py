@@ -152,3 +152,57 @@ async def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(policy: 
         await other
     finally:
         engine.close()
+
+
+async def test_a_decode_step_of_fixed_shape_samples_what_the_eager_one_does(policy: Any) -> None:
+    """The bucketed decode step (`decode_graph`, replayed on CUDA, eager here) pads the rows and
+    the attended slots and reads the whole shared-prefix buffer under masks: three rows of a group
+    (two of one prompt) and a long prompt joining mid-decode, prefilled in chunks in the slot under
+    the padding, sample what the eager step samples."""
+    # another system prompt: the long prompt cannot become the shared prefix the group reads
+    long_prompt = list(
+        policy.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Summarise: " + "a red fox ran. " * 20}],
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+    )
+
+    async def scenario(engine: TorchEngine) -> list[list[Sample]]:
+        group = [
+            engine.generate(
+                _chat(policy, [{"role": "user", "content": "Say hi."}]),
+                SamplingParams(max_tokens=12, temperature=0.0),
+            ),
+            engine.generate(
+                _chat(policy, [{"role": "user", "content": "Name a colour."}]),
+                SamplingParams(max_tokens=16, n=2, seed=3, temperature=1.0),
+            ),
+        ]
+        running = asyncio.gather(*group)
+        while engine.runner.decode_steps < 2:
+            await asyncio.sleep(0.01)
+        late = await engine.generate(long_prompt, SamplingParams(max_tokens=6, seed=5, temperature=1.0))
+        return [*await running, late]
+
+    eager = TorchEngine(policy, stop_ids=set(), prefill_chunk_tokens=64, decode="eager")
+    try:
+        want = await scenario(eager)
+    finally:
+        eager.close()
+    fixed = TorchEngine(policy, stop_ids=set(), prefill_chunk_tokens=64, decode="fixed")
+    try:
+        got = await scenario(fixed)
+        assert fixed.runner.graphs is not None and fixed.runner.prefix_tokens_saved > 0
+    finally:
+        fixed.close()
+    for a_samples, b_samples in zip(want, got, strict=True):
+        for a, b in zip(a_samples, b_samples, strict=True):
+            _same(a, b)
+
+
+def test_decode_steps_pad_to_few_shapes() -> None:
+    from journeyman.engine.decode_graph import kv_bucket, row_bucket
+
+    assert [row_bucket(n) for n in (1, 3, 8, 33, 128, 129)] == [1, 4, 8, 48, 128, 192]
+    assert [kv_bucket(n) for n in (1, 64, 65, 1024, 1025)] == [64, 64, 128, 1024, 2048]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
-from journeyman.data.config import LoraConfig, ModelConfig, TrainConfig, TrainerConfig
+from journeyman.data.config import LoraConfig, ModelConfig, TrainConfig, TrainerConfig, micro_batch_tokens
 from journeyman.errors import ImpossiblePlanError, InvalidFieldError
 
 if TYPE_CHECKING:
@@ -850,7 +850,9 @@ def plan_for_backend(
         dtype="bfloat16" if dtype == "bfloat16" else "float32",
         lora=model.lora,
         max_seq_len=train.max_seq_len,
-        micro_batch_tokens=train.micro_batch_tokens,
+        micro_batch_tokens=micro_batch_tokens(
+            train.micro_batch_tokens, train.max_seq_len, "cuda" if cuda else "cpu"
+        ),
         gradient_checkpointing=cuda if checkpointing is None else checkpointing,
         offload_activations=cuda and bool(getattr(train, "offload_activations", False)),
         autocast_bf16=train.autocast_bf16,

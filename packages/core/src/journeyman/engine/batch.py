@@ -19,12 +19,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 import torch
 
 from journeyman.data.prefix import MIN_SHARED_PREFIX, common_prefix_length
 from journeyman.engine.base import FinishReason, Sample, SamplingParams
+from journeyman.engine.decode_graph import DecodeGraphs, row_bucket
 from journeyman.engine.kv import KVPlan, PrefixCache, PrefixEntry, SharedPrefix, SlotPool
 from journeyman.engine.sampler import generator, sample
 from journeyman.engine.slot_attention import slot_attention_on, unsupported_attention
@@ -60,6 +61,11 @@ class RunnerConfig:
     # Bytes of finished turns' KV kept for the turns that extend them (`PrefixCache`); the least
     # recently used go first. ~46 KB a token for the embedded 135M model in fp32.
     prefix_cache_bytes: int = 1 << 30
+    # How a decode step runs (`decode_graph`): "fixed" pads it to bucketed shapes and, on CUDA,
+    # captures each shape once as a CUDA graph and replays it; "eager" runs every step at its own
+    # shape. "auto": "fixed" on CUDA, "eager" elsewhere (on the CPU a step is not launch-bound, and
+    # padded rows would be computed for nothing).
+    decode: Literal["auto", "eager", "fixed"] = "auto"
 
 
 @dataclass(eq=False)
@@ -156,6 +162,13 @@ class BatchRunner(Generic[RequestT]):
         self._context: int | None = getattr(text, "max_position_embeddings", None)
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
+        decode = self.config.decode
+        if decode not in ("auto", "eager", "fixed"):
+            raise InvalidFieldError("decode", decode, 'one of "auto", "eager", "fixed"')
+        fixed = decode == "fixed" or (decode == "auto" and policy.device.type == "cuda")
+        self.graphs = DecodeGraphs(self._run, self._head, policy.device, replay=True) if fixed else None
+        if self.graphs is not None and self.graphs.replay:
+            policy.before_edit(self._release)
 
     # -- any thread ----------------------------------------------------------------------------------
 
@@ -231,7 +244,16 @@ class BatchRunner(Generic[RequestT]):
             finally:
                 # Idle: the slots go. One long row sizes every slot's capacity (rows x longest), so
                 # a pool kept would hold its peak between rollout phases; regrowing it is cheap.
-                self.pool = SlotPool(*self._layout)
+                # With decode graphs (which hold the pool's addresses) they stay until a training
+                # step takes the weights (`_release`): an agent's tool call idles the engine often.
+                if self.graphs is None or not self.graphs.replay:
+                    self._release()
+
+    def _release(self) -> None:
+        """Let the slots and the decode graphs go (called while no row runs)."""
+        self.pool = SlotPool(*self._layout)
+        if self.graphs is not None:
+            self.graphs.clear()
 
     @torch.inference_mode()
     def admit(self, jobs: list[RequestT]) -> None:
@@ -332,7 +354,9 @@ class BatchRunner(Generic[RequestT]):
             allowed=allowed,
             top_logprobs=max(r.params.top_logprobs for r in rows),
         )
-        ids, chosen = draw.ids.tolist(), draw.logprobs.tolist()
+        # one transfer from the device: ids (< 2**53) and float32 logprobs are exact as float64
+        ids_, chosen = torch.stack([draw.ids.double(), draw.logprobs.double()]).tolist()
+        ids = [int(i) for i in ids_]
         for b, row in enumerate(rows):
             if row.answer.failed:  # another of its rows failed (here or in its grammar mask)
                 continue
@@ -373,20 +397,13 @@ class BatchRunner(Generic[RequestT]):
         if not self.ready:
             return
         rows = self.rows[: self.ready]
-        device = self.policy.device
-        lengths = torch.tensor([r.length for r in rows])
-        self.pool.reserve(0, int(lengths.max()) + 1)
-        write = lengths[:, None].to(device)  # (n, 1)
-        own_k, own_v = self.pool.rows_view(0, self.ready)
-        plan = KVPlan.causal(own_k, own_v, write, int(lengths.max()))
-        self._with_prefix(plan, rows)
-        latest = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
-        prefixes = torch.tensor([[r.prefix] for r in rows], device=device)
         t0 = time.perf_counter()
-        hidden = self._run(latest, write + prefixes, plan)
+        if self.graphs is not None:
+            self.logits = self._decode_fixed(rows)
+        else:
+            self.logits = self._decode_eager(rows)
         for r in rows:
             r.length += 1
-        self.logits = self._head(hidden[:, -1]).float()
         self.decode_steps += 1
         self.decode_rows += len(rows)
         self.decode_ms += (time.perf_counter() - t0) * 1000
@@ -411,9 +428,38 @@ class BatchRunner(Generic[RequestT]):
             "prefix_cache_hits": self.cache.hits,
             "prefix_cache_tokens_reused": self.cache.tokens_reused,
             "prefix_cache_evictions": self.cache.evictions,
+            "decode_graph_captures": self.graphs.captures if self.graphs is not None else 0,
+            "decode_graph_replays": self.graphs.replays if self.graphs is not None else 0,
         }
 
     # -- internals -----------------------------------------------------------------------------------
+
+    def _decode_eager(self, rows: list[_Row[RequestT]]) -> torch.Tensor:
+        """(n, V) the next-token logits of the ready `rows`, at this step's own shape."""
+        device = self.policy.device
+        lengths = torch.tensor([r.length for r in rows])
+        self.pool.reserve(0, int(lengths.max()) + 1)
+        write = lengths[:, None].to(device)  # (n, 1)
+        own_k, own_v = self.pool.rows_view(0, len(rows))
+        plan = KVPlan.causal(own_k, own_v, write, int(lengths.max()))
+        self._with_prefix(plan, rows)
+        latest = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
+        prefixes = torch.tensor([[r.prefix] for r in rows], device=device)
+        hidden = self._run(latest, write + prefixes, plan)
+        return self._head(hidden[:, -1]).float()
+
+    def _decode_fixed(self, rows: list[_Row[RequestT]]) -> torch.Tensor:
+        """The same at a bucketed shape (`DecodeGraphs`): replayed on CUDA."""
+        assert self.graphs is not None
+        padded = row_bucket(len(rows))
+        lengths = [r.length for r in rows]
+        held = [r.length for r in self.rows[len(rows) : padded]]  # prefilling rows under the padding
+        kv_len = self.graphs.attended(lengths, held)
+        self.pool.reserve(padded, kv_len)
+        shared = self.shared if any(r.prefix for r in rows) else None
+        return self.graphs.logits(
+            self.pool, shared, [r.tokens[-1] for r in rows], lengths, [r.prefix for r in rows], kv_len
+        )
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, plan: KVPlan) -> torch.Tensor:
         """The decoder's last hidden states (n, q, hidden) for `ids` at `positions` under `plan`."""

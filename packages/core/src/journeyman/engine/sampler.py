@@ -96,13 +96,18 @@ def _pick(
     # Inverse-CDF sampling: one uniform per row from that row's own generator (seeded rows
     # reproduce whatever they are batched with), one batched searchsorted for all rows.
     cdf = probs.cumsum(dim=-1)
-    u = torch.cat([torch.rand(1, generator=generators[b], device=logits.device) for b in sampled_rows])
+    u = torch.rand(len(sampled_rows), device=device)  # torch's global stream: the unseeded rows
+    for i, b in enumerate(sampled_rows):
+        g = generators[b]
+        if g is not None:
+            u[i] = torch.rand(1, generator=g, device=device)[0]
     # right=True: the first token whose cumulative mass exceeds the draw, so a zero-mass
     # (e.g. grammar-masked) token is never picked; float round-off at the top falls back to argmax.
     picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
     picks = picks.clamp(max=logits.shape[-1] - 1)
     bad = probs.gather(1, picks[:, None]).squeeze(1) <= 0
-    if bool(bad.any()):
+    # on CUDA without asking whether any is bad: that answer would wait for the device
+    if device.type != "cpu" or bool(bad.any()):
         picks = torch.where(bad, probs.max(dim=-1).indices, picks)
     greedy[sampled_rows] = picks
     return greedy

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from journeyman.engine.base import Engine, Sample, SamplingParams, T
 from journeyman.engine.batch import BatchRunner, RunnerConfig
@@ -41,6 +41,7 @@ class TorchEngine(Engine):
         batch_wait_max_s: float = 0.25,
         prefill_chunk_tokens: int = 512,
         prefix_cache_bytes: int = 1 << 30,
+        decode: Literal["auto", "eager", "fixed"] = "auto",
         max_restarts: int = 3,
         restart_window_s: float = 60.0,
     ) -> None:
@@ -53,7 +54,7 @@ class TorchEngine(Engine):
             max_restarts=max_restarts,
             restart_window_s=restart_window_s,
         )
-        runner = BatchRunner(policy, stop_ids, RunnerConfig(prefill_chunk_tokens, prefix_cache_bytes))
+        runner = BatchRunner(policy, stop_ids, RunnerConfig(prefill_chunk_tokens, prefix_cache_bytes, decode))
         self.scheduler = Scheduler(runner, config)  # starts the worker thread
         self.runner = self.scheduler.runner
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +127,7 @@ class LoraPolicy:
         # step gets the weights even when requests queue faster than batches end.
         self.editors_waiting = 0
         self._editors = threading.Condition()
+        self._before_edit: list[weakref.WeakMethod[Callable[[], None]]] = []
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[None]:
@@ -145,8 +147,19 @@ class LoraPolicy:
         """Hold the weights to train or change the adapter: unmerged, so gradients reach the LoRA
         matrices and a change lands in them alone."""
         with self._exclusive(), self._attention_kernels():
+            for ref in self._before_edit:
+                release = ref()
+                if release is not None:
+                    release()
             self.merge.unmerge()
             yield
+
+    def before_edit(self, release: Callable[[], None]) -> None:
+        """Call `release` (a bound method, held weakly) whenever `editing` has the weights, before
+        anything changes: an engine that keeps memory between batches (its KV slots, its decode
+        graphs) lets it go for the step."""
+        self._before_edit = [r for r in self._before_edit if r() is not None]
+        self._before_edit.append(weakref.WeakMethod(release))
 
     def _attention_kernels(self) -> contextlib.AbstractContextManager[object]:
         """On CUDA, attention without SDPA's cuDNN backend, which builds a plan for each new shape:

@@ -21,15 +21,18 @@ system prompt and tools once per micro-batch.
 Attention over a packed sequence (`packed_attention`) builds no (L, L) mask: a key k is seen by the
 queries at places [lo[k], hi[k]) of the sequence (a key of the sequence from its own place to the end
 of the last row that holds it; a prefix's key by the spans of the rows under it), so a pack is
-described by two integers per key. On CUDA that is a FlexAttention block mask and one call per
-layer ("flex"). On other devices torch's FlexAttention has no backward ("flex" there runs its unfused
-reference, without grad, to check a layout), so each row's queries run against its own keys through
-the model's attention function ("rows"), causal without a mask where the row has nothing before its
-span, else with a mask of the row's own size, in chunks of queries for long rows (a padded single
-call would run every row's queries against the longest row's keys). The dense (1, 1, L, L) mask
-with `row_attention` ("dense", `packed_attention_mask`) and the padded path (`pad_rows`,
-`trained_logprobs`: a prefix common to every row of a batch run once and its keys and values
-expanded to the batch) are kept as references, the padded one also for SFT with packing off.
+described by two integers per key. The default ("rows", every device) runs each row's queries
+against its own keys through the model's attention function (SDPA; FlashAttention on CUDA), causal
+without a mask where the row has nothing before its span, else with a mask of the row's own size,
+in chunks of queries for long rows (a padded single call would run every row's queries against the
+longest row's keys). "flex", opt-in, is one FlexAttention call per layer with the layout's block
+mask: compiled, it recompiles for every new pack length and, past torch's recompile limit, falls
+back to an unfused kernel (on an H200, a 4096-token pack with a shared prefix ran forward and
+backward in 3.1 s on it, 0.63 s on "rows"; docs/scale.md); on the CPU it has no backward and runs
+its unfused reference, without grad, to check a layout. The dense (1, 1, L, L) mask with `row_attention`
+("dense", `packed_attention_mask`) and the padded path (`pad_rows`, `trained_logprobs`: a prefix
+common to every row of a batch run once and its keys and values expanded to the batch) are kept as
+references, the padded one also for SFT with packing off.
 
 Both attention functions reach transformers through its `AttentionInterface` registry; they are
 registered when first used (`register_row_attention`, `register_packed_attention`), never on import.
@@ -76,7 +79,8 @@ __all__ = [
     "trained_logprobs",
 ]
 
-# "auto": "flex" on CUDA, "rows" elsewhere; "dense": the reference, a (1, 1, L, L) mask (no prefixes)
+# "auto": "rows" ("flex" is opt-in: see the module's docstring); "dense": the reference, a
+# (1, 1, L, L) mask (no prefixes)
 PackAttention = Literal["auto", "flex", "rows", "dense"]
 
 
@@ -198,7 +202,7 @@ class PackedInputs:
         self.pack, self.device = pack, device
         attention = pack.attention
         if attention == "auto":
-            attention = "flex" if device.type == "cuda" else "rows"
+            attention = "rows"
         if attention not in get_args(PackAttention):
             raise InvalidFieldError("attention", attention, f"one of {get_args(PackAttention)}")
         if attention == "dense" and any(p is not None for p in pack.prefixes):

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from journeyman.chat.formats import ChatFormat
-from journeyman.data.config import LongRows, SFTConfig
+from journeyman.data.config import LongRows, SFTConfig, micro_batch_tokens
 from journeyman.data.types import Trajectory
 from journeyman.policy.lora import LoraPolicy
 from journeyman.training.packing import (
@@ -118,9 +118,10 @@ class SFTTrainer:
 
     def micro_batches(self, rows: list[Row], config: SFTConfig) -> list[Pack] | list[list[Row]]:
         """One packed sequence, or one padded batch of rows, per forward pass (`config.packing`)."""
+        budget = micro_batch_tokens(config.micro_batch_tokens, config.max_seq_len, self.policy.device.type)
         if config.packing:
-            return pack_rows(rows, config.micro_batch_tokens)
-        return list(micro_batches(rows, config.micro_batch_tokens, shared_prefix_length(rows)))
+            return pack_rows(rows, budget)
+        return list(micro_batches(rows, budget, shared_prefix_length(rows)))
 
     def logprobs(self, batch: Pack | list[Row]) -> torch.Tensor:
         """log π_θ of every trained token of `batch` (bar each row's first), with grad; (n,)."""

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from journeyman.chat.formats import ChatFormat
-from journeyman.data.config import TrainConfig
+from journeyman.data.config import TrainConfig, micro_batch_tokens
 from journeyman.data.types import TrajectoryGroup
 from journeyman.policy.lora import LoraPolicy, attention_implementation
 from journeyman.training.collective import Collective
@@ -233,7 +233,10 @@ class GRPOTrainer:
             model.train()
             opt.zero_grad(set_to_none=True)
             totals: dict[str, float] = {}
-            batches = pack_rows(rows, config.micro_batch_tokens)
+            budget = micro_batch_tokens(
+                config.micro_batch_tokens, config.max_seq_len, self.policy.device.type
+            )
+            batches = pack_rows(rows, budget)
             # tokens the model runs, against the rows' own lengths: what running shared prefixes once saves
             metrics["forward_tokens"] = float(sum(b.length for b in batches))
             metrics["row_tokens"] = float(sum(len(r.input_ids) for r in rows))
