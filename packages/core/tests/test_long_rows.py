@@ -16,7 +16,7 @@ import torch
 from _support import recorded_choice, tiny_llama_config
 from journeyman.chat.formats import ChatFormat
 from journeyman.policy.lora import LoraPolicy
-from journeyman.training.packing import pack_rows
+from journeyman.training.packing import pack_rows, pack_tree
 from journeyman.training.rows import LONG_ROW_METRICS, Row, fit_rows, trajectory_rows
 from journeyman.training.trainer import (
     LONG_ROW_TOKENS,
@@ -202,12 +202,17 @@ def tiny_policy(tmp_path_factory: pytest.TempPathFactory, chat_format: ChatForma
 
 
 def _grads(
-    policy: LoraPolicy, chat_format: ChatFormat, checkpointing: bool, offload: bool = False
+    policy: LoraPolicy,
+    chat_format: ChatFormat,
+    checkpointing: bool,
+    offload: bool = False,
+    tree: bool = False,
 ) -> list[torch.Tensor]:
     """LoRA gradients of two groups' rows, split rows among them, through `GRPOTrainer._micro_step`
     (KL term on, so the reference forward runs under the switch too). `offload`: what autograd
     saves goes through torch's save_on_cpu, as `offload_activations` does on CUDA (here unpinned:
-    a CPU has no pinned memory to give)."""
+    a CPU has no pinned memory to give). `tree`: the prompt prefixes the rows share run once
+    (`pack_tree`, as `GRPOTrainer.step` runs them), their gradient sent back after the packs'."""
     trainer = GRPOTrainer(policy, chat_format)
     config = jm.TrainConfig(max_seq_len=320, kl_coef=0.05)
     groups = [
@@ -215,8 +220,10 @@ def _grads(
         jm.TrajectoryGroup([agent_run(2, reward=0.0), agent_run(1, reward=1.0)]),
     ]
     rows, m = build_rows(groups, chat_format, config)
-    packs = pack_rows(rows, 300)
+    shared = pack_tree(rows, 96) if tree else None  # what follows the prefixes, in several packs
+    packs = shared.packs if shared is not None else pack_rows(rows, 300)
     assert len(packs) >= 2 and m["rows_over_limit"] > 0
+    assert shared is None or shared.prefixes  # the system prompt and tools, at least
     num_tokens = sum(r.num_trained for r in rows)
     params = policy.trainable_parameters()
     with policy.editing(), gradient_checkpointing(policy, checkpointing):
@@ -226,6 +233,8 @@ def _grads(
         for pack in packs:
             with torch.autograd.graph.save_on_cpu() if offload else contextlib.nullcontext():
                 trainer._micro_step(pack, num_tokens, config)  # pyright: ignore[reportPrivateUsage]
+        if shared is not None:
+            shared.backward()
         policy.model.eval()
     return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
 
@@ -238,9 +247,11 @@ def test_checkpointed_gradients_equal_the_plain_ones(
     plain = _grads(tiny_policy, chat_format, checkpointing=False)
     ckpt = _grads(tiny_policy, chat_format, checkpointing=True)
     offloaded = _grads(tiny_policy, chat_format, checkpointing=True, offload=True)
+    # the trainer's way: shared prefixes once a step, checkpointed, with the KL reference's own run
+    tree = _grads(tiny_policy, chat_format, checkpointing=True, tree=True)
     den = sum(float(a.norm() ** 2) for a in plain) ** 0.5
     assert den > 0 and all(float(g.norm()) > 0 for g in plain)  # lora_A and lora_B of every layer
-    for other in (ckpt, offloaded):
+    for other in (ckpt, offloaded, tree):
         num = sum(float((a - b).norm() ** 2) for a, b in zip(plain, other, strict=True)) ** 0.5
         assert num / den < 1e-5, num / den
 

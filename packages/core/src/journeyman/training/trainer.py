@@ -31,7 +31,7 @@ from journeyman.data.types import TrajectoryGroup
 from journeyman.policy.lora import LoraPolicy, attention_implementation
 from journeyman.training.collective import Collective
 from journeyman.training.loss import group_advantages, policy_loss
-from journeyman.training.packing import Pack, pack_rows, packed_logprobs, pad_rows
+from journeyman.training.packing import Pack, pack_rows, pack_tree, packed_logprobs, pad_rows
 from journeyman.training.rows import Row, fit_rows, trajectory_rows
 
 __all__ = [
@@ -236,9 +236,15 @@ class GRPOTrainer:
             budget = micro_batch_tokens(
                 config.micro_batch_tokens, config.max_seq_len, self.policy.device.type
             )
-            batches = pack_rows(rows, budget)
+            # One rank: each prompt prefix that rows share (system prompt, tools, a group's task) runs
+            # once for the step (`pack_tree`). Ranks that shard the base gather every layer together,
+            # so all of them run the same passes: there, prefixes are shared within a micro-batch.
+            tree = pack_tree(rows, budget) if collective is None else None
+            batches = tree.packs if tree is not None else pack_rows(rows, budget)
             # tokens the model runs, against the rows' own lengths: what running shared prefixes once saves
-            metrics["forward_tokens"] = float(sum(b.length for b in batches))
+            metrics["forward_tokens"] = float(
+                tree.forward_tokens if tree is not None else sum(b.length for b in batches)
+            )
             metrics["row_tokens"] = float(sum(len(r.input_ids) for r in rows))
             idle, spare = 0, min(batches, key=lambda b: b.length)
             if collective is not None:
@@ -250,6 +256,8 @@ class GRPOTrainer:
                     on_progress(i + 1, len(batches))
                 for k, v in out.items():
                     totals[k] = totals.get(k, 0.0) + v
+            if tree is not None:
+                tree.backward()  # the prefixes' share of the gradient, through their forward once
             # a sharded base gathers every layer with the other ranks in each forward and backward:
             # a rank short of the busiest one's micro-batches runs passes that add nothing
             for _ in range(idle):
