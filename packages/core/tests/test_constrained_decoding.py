@@ -113,3 +113,78 @@ async def test_mask_allows_only_grammar_tokens(served: tuple[Any, Any]) -> None:
     with pytest.raises(InvalidFieldError) as err:
         cache.compile(("", "{not json", ""))
     assert err.value.field == SCHEMA_FIELD
+
+
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a city up.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+        },
+    },
+}
+ANSWER = {
+    "type": "object",
+    "properties": {"number": {"type": "integer", "enum": [1, 2, 3]}},
+    "required": ["number"],
+    "additionalProperties": False,
+}
+
+
+async def test_tools_and_a_response_schema_at_once(served: tuple[Any, Any]) -> None:
+    """As OpenAI's API has it (and the Agents SDK's `output_type` agents with tools need): unforced,
+    the output may be a tool call or the schema's JSON; forced, the call is made and the schema is
+    left to the final answer."""
+    from journeyman.engine.base import SamplingParams
+    from journeyman.serving.endpoint import ChatCompletionRequest, _constraint, _sampling_params
+
+    model, backend = served
+    client = model.openai_client()
+    forced = await client.chat.completions.create(
+        model=model.name,
+        messages=[{"role": "user", "content": "How big is Paris?"}],
+        tools=[LOOKUP],  # pyright: ignore[reportArgumentType]
+        tool_choice={"type": "function", "function": {"name": "lookup"}},
+        response_format=_format(ANSWER),  # pyright: ignore[reportArgumentType]
+        max_tokens=40,
+        seed=1,
+    )
+    [call] = forced.choices[0].message.tool_calls or []
+    assert call.function.name == "lookup" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")  # pyright: ignore[reportAttributeAccessIssue]
+
+    unforced = await client.chat.completions.create(
+        model=model.name,
+        messages=[{"role": "user", "content": "How big is Paris?"}],
+        tools=[LOOKUP],  # pyright: ignore[reportArgumentType]
+        response_format=_format(ANSWER),  # pyright: ignore[reportArgumentType]
+        max_tokens=40,
+        seed=2,
+        n=4,
+    )
+    for choice in unforced.choices:  # each a call of the tool or an answer in the schema
+        if choice.message.tool_calls:
+            assert choice.message.tool_calls[0].function.name == "lookup"  # pyright: ignore[reportAttributeAccessIssue]
+        else:
+            jsonschema.validate(json.loads(choice.message.content or ""), ANSWER)
+
+    # the grammar behind it admits both, in the served family's call syntax, and nothing else
+    service = backend.service(model)
+    family = service.chat_format.family
+    request = ChatCompletionRequest.model_validate(
+        {"model": model.name, "messages": [], "tools": [LOOKUP], "response_format": _format(ANSWER)}
+    )
+    params: SamplingParams = _sampling_params(request, 40, _constraint(request, family))
+    assert params.constraint is not None and len(params.constraint) == 6
+    cache = GrammarCache(service.policy.tokenizer, service.policy.model.config.vocab_size)
+    as_call = (
+        family.call_open
+        + json.dumps({"name": "lookup", family.arguments_key: {"city": "Rome"}})
+        + family.call_close
+    )
+    for text, admitted in ((as_call, True), ('{"number": 2}', True), ("The answer is 2.", False)):
+        matcher = cache.matcher(params.constraint)
+        assert matcher.accept_string(text) == admitted and (matcher.is_completed() or not admitted), text

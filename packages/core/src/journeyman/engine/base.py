@@ -28,6 +28,11 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed integer, as vLLM tak
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
+# An output grammar: (prefix, schema, suffix), one literal-JSON-literal shape; six strings are two such
+# shapes, either of which the output may take (`grammar.constraint_grammar`).
+Constraint = tuple[str, ...]
+
+
 class SamplingParams(BaseModel):
     """How to sample one prompt. Every field is bounded, so a bad value is refused when the params
     are built (a pydantic ValidationError naming it; the endpoint answers 400) instead of failing
@@ -88,6 +93,11 @@ class SamplingParams(BaseModel):
         max_length=MAX_LITERAL_CHARS,
         description="literal text the constrained output ends with",
     )
+    json_or_call: tuple[str, str, str] | None = Field(
+        default=None,
+        description="(prefix, schema, suffix) of a tool call the output may be instead of the "
+        "`json_schema` answer (tools and a response schema in one unforced request)",
+    )
     # Unbounded on purpose: only hashed to pick a replica, and the endpoint builds it from the
     # conversation's start (a long system prompt included), which its body limit already bounds.
     affinity: str | None = Field(
@@ -95,11 +105,12 @@ class SamplingParams(BaseModel):
     )
 
     @property
-    def constraint(self) -> tuple[str, str, str] | None:
-        """(prefix, schema, suffix) when the output is constrained, else None."""
+    def constraint(self) -> Constraint | None:
+        """(prefix, schema, suffix) when the output is constrained, with the tool call's three after
+        them when it may be one instead (`json_or_call`); else None."""
         if self.json_schema is None:
             return None
-        return (self.json_prefix, self.json_schema, self.json_suffix)
+        return (self.json_prefix, self.json_schema, self.json_suffix, *(self.json_or_call or ()))
 
 
 FinishReason = Literal["stop", "length"]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 import torch
 
 from journeyman.data.prefix import MIN_SHARED_PREFIX, common_prefix_length
-from journeyman.engine.base import FinishReason, Sample, SamplingParams
+from journeyman.engine.base import Constraint, FinishReason, Sample, SamplingParams
 from journeyman.engine.decode_graph import DecodeGraphs, row_bucket
 from journeyman.engine.kv import KVPlan, PrefixCache, PrefixEntry, SharedPrefix, SlotPool
 from journeyman.engine.sampler import generator, sample
@@ -198,7 +198,7 @@ class BatchRunner(Generic[RequestT]):
                 f"{self._context}-token context",
             )
 
-    def compile(self, constraint: tuple[str, str, str]) -> None:
+    def compile(self, constraint: Constraint) -> None:
         """Compile a (prefix, schema, suffix) grammar ahead of its prefill; a bad schema raises
         InvalidFieldError here, for its own request alone."""
         self._grammar_cache().compile(constraint)
@@ -637,7 +637,7 @@ class BatchRunner(Generic[RequestT]):
         if row.finish is None and len(row.tokens) >= p.max_tokens:
             row.finish = "length"
 
-    def _grammar(self, constraint: tuple[str, str, str] | None) -> Any:
+    def _grammar(self, constraint: Constraint | None) -> Any:
         if constraint is None:
             return None
         return self._grammar_cache().matcher(constraint)

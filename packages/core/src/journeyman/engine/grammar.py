@@ -26,6 +26,8 @@ from journeyman.errors import InvalidFieldError
 if TYPE_CHECKING:
     import torch
 
+    from journeyman.engine.base import Constraint
+
 SCHEMA_FIELD = "response_format.json_schema.schema"
 COMPILE_TIMEOUT_S = 10.0
 
@@ -45,9 +47,18 @@ def wrapped_grammar(prefix: str, schema: str, suffix: str) -> Any:
     return xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
 
 
-def wrapped_ebnf(prefix: str, schema: str, suffix: str) -> str:
+def constraint_grammar(constraint: Constraint) -> Any:
+    """xgrammar Grammar of a `SamplingParams.constraint`: one (prefix, schema, suffix) shape, or
+    either of two (an answer in a response schema, or a tool call)."""
+    import xgrammar as xgr
+
+    shapes = [wrapped_grammar(*constraint[i : i + 3]) for i in range(0, len(constraint), 3)]
+    return shapes[0] if len(shapes) == 1 else xgr.Grammar.union(*shapes)
+
+
+def wrapped_ebnf(constraint: Constraint) -> str:
     """The same grammar as EBNF text, for engines (vLLM) that take a grammar string."""
-    return str(wrapped_grammar(prefix, schema, suffix))
+    return str(constraint_grammar(constraint))
 
 
 class GrammarCache:
@@ -82,7 +93,7 @@ class GrammarCache:
         self._slots = threading.Semaphore(max_compiles)
         self._lock = threading.Lock()
 
-    def compile(self, constraint: tuple[str, str, str]) -> Any:
+    def compile(self, constraint: Constraint) -> Any:
         """The compiled grammar of (prefix, schema, suffix); an unusable schema, or one that does not
         compile within `compile_timeout_s`, raises InvalidFieldError."""
         key = "\0".join(constraint)
@@ -121,15 +132,16 @@ class GrammarCache:
         raise error from None
 
     def _compile(
-        self, key: str, constraint: tuple[str, str, str], result: Future[Any], started: threading.Event
+        self, key: str, constraint: Constraint, result: Future[Any], started: threading.Event
     ) -> None:
-        prefix, schema, suffix = constraint
+        schema = constraint[1]
         with self._slots:
             started.set()
             try:
-                json.loads(schema)
-                if prefix or suffix:
-                    compiled = self._compiler.compile_grammar(wrapped_grammar(prefix, schema, suffix))
+                for each in constraint[1::3]:
+                    json.loads(each)
+                if len(constraint) > 3 or any(constraint[0:3:2]):  # literals, or two shapes
+                    compiled = self._compiler.compile_grammar(constraint_grammar(constraint))
                 else:
                     compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
             except (ValueError, RuntimeError) as e:
@@ -161,7 +173,7 @@ class GrammarCache:
         while len(self._refused) > self.capacity:
             self._refused.popitem(last=False)
 
-    def matcher(self, constraint: tuple[str, str, str]) -> Any:
+    def matcher(self, constraint: Constraint) -> Any:
         return self._xgr.GrammarMatcher(self.compile(constraint))
 
     def mask(self, matcher: Any, logits: torch.Tensor, row: int) -> None:

@@ -238,11 +238,10 @@ class VLLMEngine(Engine):
             "return_tokens_as_token_ids": True,  # top-logprob keys as ids, not lossy strings
             "skip_special_tokens": True,
         }
-        if params.json_schema is not None and (params.json_prefix or params.json_suffix):
+        constraint = params.constraint
+        if constraint is not None and (len(constraint) > 3 or params.json_prefix or params.json_suffix):
             # Tool calls: the JSON sits between literal tags, which only a grammar can say.
-            body["structured_outputs"] = {
-                "grammar": wrapped_ebnf(params.json_prefix, params.json_schema, params.json_suffix)
-            }
+            body["structured_outputs"] = {"grammar": wrapped_ebnf(constraint)}
         elif params.json_schema is not None:
             # Compact JSON, as the in-process engine emits: a small model given free whitespace pads.
             body["structured_outputs"] = {"json": params.json_schema, "disable_any_whitespace": True}

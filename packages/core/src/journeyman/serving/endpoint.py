@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated, Any, Protocol, TypeVar
+from typing import Annotated, Any, NamedTuple, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -115,44 +115,65 @@ def _tool_call_schema(
         picked = [t for t in tools if t.function.name == wanted]
     else:
         picked = tools
+    return _calls_schema(picked, family, "tool_choice", shown)
+
+
+def _calls_schema(tools: list[Tool], family: ChatFamily, field: str, shown: Any) -> str:
+    """The JSON schema of a call (in the family's shape) of any of `tools`."""
     options = [
         family.call_schema({"function": {"name": t.function.name, "parameters": t.function.parameters}})
-        for t in picked
+        for t in tools
     ]
     schema = json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
     if len(schema) > MAX_SCHEMA_BYTES:
         raise InvalidFieldError(
-            "tool_choice",
+            field,
             shown,
-            f"forces a call whose schema (the tools' parameters) is {len(schema)} bytes of JSON: the grammar "
+            f"allows a call whose schema (the tools' parameters) is {len(schema)} bytes of JSON: the grammar "
             f"compiler takes at most {MAX_SCHEMA_BYTES}",
         )
     return schema
 
 
-def _constraint(req: ChatCompletionRequest, family: ChatFamily) -> tuple[str, str, str, str] | None:
-    """(schema, prefix, suffix, the request field it comes from) when the output is constrained."""
-    schema = _tool_call_schema(req.tools, req.tool_choice, family)
-    if req.response_format is not None and schema is not None:
-        raise InvalidFieldError(
-            "response_format",
-            req.response_format.model_dump(by_alias=True),
-            "cannot be combined with a forced tool_choice",
-        )
-    if schema is not None:
-        return schema, family.call_open, family.call_close, "tool_choice"
+class _Constraint(NamedTuple):
+    """What the output must be: `schema` between the literals `prefix` and `suffix`, or else the
+    tool call `call` (prefix, schema, suffix) when one is allowed beside a response schema."""
+
+    schema: str
+    prefix: str
+    suffix: str
+    source: str  # the request field the schema comes from
+    call: tuple[str, str, str] | None = None
+
+
+def _constraint(req: ChatCompletionRequest, family: ChatFamily) -> _Constraint | None:
+    """The output's grammar, if any. A forced tool call is forced, whatever `response_format` says: the
+    schema is for the final answer, a later turn (as OpenAI's API has it). Unforced, with tools and a
+    response schema, the output is a tool call or the schema's JSON."""
+    forced = _tool_call_schema(req.tools, req.tool_choice, family)
+    if forced is not None:
+        return _Constraint(forced, family.call_open, family.call_close, "tool_choice")
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
     if fmt.json_schema is not None and fmt.type == "json_schema":
-        return json.dumps(fmt.json_schema.schema_), "", "", SCHEMA_FIELD
-    return json.dumps({"type": "object"}), "", "", "response_format"
+        answer, source = json.dumps(fmt.json_schema.schema_), SCHEMA_FIELD
+    else:
+        answer, source = json.dumps({"type": "object"}), "response_format"
+    call = None
+    if req.tools and req.tool_choice != "none":
+        call = (
+            family.call_open,
+            _calls_schema(req.tools, family, "tools", len(req.tools)),
+            family.call_close,
+        )
+    return _Constraint(answer, "", "", source, call)
 
 
 def _sampling_params(
-    req: ChatCompletionRequest, default_max_tokens: int, constraint: tuple[str, str, str, str] | None
+    req: ChatCompletionRequest, default_max_tokens: int, constraint: _Constraint | None
 ) -> SamplingParams:
-    schema, prefix, suffix, source = constraint or (None, "", "", "")
+    schema, prefix, suffix, source, call = constraint or (None, "", "", "", None)
     try:
         return SamplingParams(
             n=req.n,
@@ -165,12 +186,19 @@ def _sampling_params(
             json_schema=schema,
             json_prefix=prefix,
             json_suffix=suffix,
+            json_or_call=call,
         )
     except ValidationError as e:  # the engine's own bounds: named by the request field they came from
         err = invalid_field(e)
         name = err.field.split(".")[0].split("[")[0]
         asked = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        renamed = {"max_tokens": asked, "json_schema": source, "json_prefix": source, "json_suffix": source}
+        renamed = {
+            "max_tokens": asked,
+            "json_schema": source,
+            "json_prefix": source,
+            "json_suffix": source,
+            "json_or_call": "tools",
+        }
         raise InvalidFieldError(
             renamed.get(name, name) + err.field[len(name) :], err.value, err.reason
         ) from None
@@ -304,7 +332,7 @@ class Endpoint:
             messages, tools, self.sampled, template_kwargs=template_kwargs
         )
         self._fit_context(req, params, len(prompt_ids))
-        schema_field = constraint[3] if constraint is not None else ""
+        schema_field = constraint.source if constraint is not None else ""
         return _Prepared(req, params, messages, tools, prompt_ids, spliced, schema_field)
 
     def _fit_characters(self, chars: int) -> None:
