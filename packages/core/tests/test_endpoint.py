@@ -736,3 +736,47 @@ def test_a_schema_that_compiles_too_long_is_refused_by_name_and_not_compiled_aga
     assert time.perf_counter() - t0 < 0.05  # remembered, not compiled again
     cache.compile_timeout_s = 30.0
     assert cache.compile(("", json.dumps({"type": "object"}), "")) is not None
+
+
+async def test_a_stream_sends_text_as_it_is_sampled(served) -> None:
+    """On the in-process engine the content leaves as it is sampled (more than one delta: the rest
+    of a finished completion goes as one), and says what the unstreamed request says, with the same
+    token record in the last chunk."""
+    model, _ = served
+    client = model.openai_client()
+    ask: dict[str, Any] = {
+        "model": model.name,
+        "messages": [{"role": "user", "content": "Tell me a story about a dog."}],
+        "max_tokens": 40,
+        "temperature": 0.0,
+    }
+    stream = await client.chat.completions.create(**ask, stream=True)
+    deltas: list[str] = []
+    record: dict[str, Any] | None = None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content:
+                deltas.append(choice.delta.content)
+            if choice.finish_reason is not None:
+                record = (choice.model_extra or {})["journeyman"]
+    whole = await client.chat.completions.create(**ask)
+    assert len(deltas) > 1, deltas
+    assert "".join(deltas) == whole.choices[0].message.content
+    assert record is not None and record["token_ids"] == jm.record_of(whole.choices[0]).token_ids
+
+
+async def test_streamed_text_holds_back_what_may_not_stay_content(served) -> None:
+    """A tool call's opening marker (or its start), a stop string (or its start), a character still
+    being decoded and whitespace at the ends are not sent as content until the completion says."""
+    from journeyman.serving.streaming import TextDeltas
+
+    model, backend = served
+    fmt = backend.service(model).chat_format
+    deltas = TextDeltas(fmt, fmt.tokenizer, tools=True, stop=["END"], on_text=lambda i, d: None)
+    call = fmt.family.call_open  # Hermes: "<tool_call>\n"
+    assert deltas._safe("  Let me look.  ") == ("Let me look.", False)
+    assert deltas._safe("Let me look. " + call[:4]) == ("Let me look.", False)
+    assert deltas._safe("Let me look. " + call + '{"name"') == ("Let me look.", True)
+    assert deltas._safe("Done. EN") == ("Done.", False)
+    assert deltas._safe("Done. END and more") == ("Done.", True)
+    assert deltas._safe("Caf\ufffd") == ("Caf", False)

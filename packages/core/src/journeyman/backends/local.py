@@ -7,7 +7,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -452,14 +452,18 @@ class LocalBackend:
         return self._services[name].model
 
     async def chat_completion(
-        self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
+        self,
+        body: dict[str, Any],
+        capture_id: str | None = None,
+        response_id: str | None = None,
+        on_text: Callable[[int, str], None] | None = None,
     ) -> dict[str, Any]:
         """Answered by the endpoint of the model `body` names (`name`, or `name@step`)."""
         name = body.get("model")
         served = self._services.get(name.split("@")[0]) if isinstance(name, str) else None
         if served is None:
             raise UnknownModelError(str(name), self.served_names())
-        return await served.endpoint.chat_completion(body, capture_id, response_id)
+        return await served.endpoint.chat_completion(body, capture_id, response_id, on_text)
 
     def served_names(self) -> list[str]:
         return [n for s in self._services.values() for n in s.endpoint.served_names()]

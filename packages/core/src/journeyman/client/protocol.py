@@ -155,9 +155,14 @@ class ServedBackend(Backend, Protocol):
         ...
 
     async def chat_completion(
-        self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
+        self,
+        body: dict[str, Any],
+        capture_id: str | None = None,
+        response_id: str | None = None,
+        on_text: Callable[[int, str], None] | None = None,
     ) -> dict[str, Any]:
-        """Answer an OpenAI chat completion request on the endpoint of the model it names."""
+        """Answer an OpenAI chat completion request on the endpoint of the model it names, telling
+        `on_text(choice, delta)` of its content as it is sampled."""
         ...
 
     def served_names(self) -> list[str]:

@@ -11,7 +11,15 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from openai.types.chat.chat_completion import Choice
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from journeyman.chat.messages import Message, message_of_choice
 from journeyman.errors import EmptyGroupError, InvalidFieldError, OwnErrorsModel, RolloutDroppedError
@@ -99,10 +107,20 @@ class RolloutException(BaseModel):
     type: str
     message: str
     traceback: str
+    _exception: BaseException | None = PrivateAttr(default=None)
+
+    @property
+    def exception(self) -> BaseException | None:
+        """The exception object itself, for the process that caught it (`except`-style handling on a
+        kept run, e.g. a guardrail tripwire's `guardrail_result`); not serialized, so None once the
+        record has been through JSON (a run file, the wire)."""
+        return self._exception
 
     @classmethod
     def from_exception(cls, e: BaseException) -> RolloutException:
-        return cls(type=type(e).__name__, message=str(e), traceback="".join(traceback.format_exception(e)))
+        out = cls(type=type(e).__name__, message=str(e), traceback="".join(traceback.format_exception(e)))
+        out._exception = e
+        return out
 
 
 class History(OwnErrorsModel):

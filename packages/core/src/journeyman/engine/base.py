@@ -126,6 +126,10 @@ class Sample:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
+# Called with (completion index, token id) as a streaming engine samples each token.
+OnToken = Callable[[int, int], None]
+
+
 class Engine(ABC):
     """Samples completions for token-id prompts under the current policy step."""
 
@@ -134,6 +138,14 @@ class Engine(ABC):
     @abstractmethod
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
         """Return `params.n` samples for one prompt. Concurrent calls are batched by the engine."""
+
+    async def generate_streaming(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken
+    ) -> list[Sample]:
+        """`generate`, calling `on_token(completion index, token id)` as each token is sampled (from
+        any thread: keep it short). Engines that cannot stream call it for none; the samples at the
+        end are what count."""
+        return await self.generate(prompt_ids, params)
 
     @abstractmethod
     async def load_adapter(self, path: Path, step: int) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 import torch
 
 from journeyman.data.prefix import MIN_SHARED_PREFIX, common_prefix_length
-from journeyman.engine.base import Constraint, FinishReason, Sample, SamplingParams
+from journeyman.engine.base import Constraint, FinishReason, OnToken, Sample, SamplingParams
 from journeyman.engine.decode_graph import DecodeGraphs, row_bucket
 from journeyman.engine.kv import KVPlan, PrefixCache, PrefixEntry, SharedPrefix, SlotPool
 from journeyman.engine.sampler import generator, sample
@@ -45,6 +45,8 @@ class Request(Protocol):
     def prompt_ids(self) -> list[int]: ...
     @property
     def params(self) -> SamplingParams: ...
+    @property
+    def on_token(self) -> OnToken | None: ...
 
 
 RequestT = TypeVar("RequestT", bound=Request)
@@ -363,6 +365,8 @@ class BatchRunner(Generic[RequestT]):
             try:
                 row.tokens.append(ids[b])
                 row.logprobs.append(chosen[b])
+                if row.answer.job.on_token is not None:
+                    row.answer.job.on_token(row.index, ids[b])
                 k = row.params.top_logprobs
                 if k and draw.top_ids is not None and draw.top_logprobs is not None:
                     pairs = zip(draw.top_ids[b, :k].tolist(), draw.top_logprobs[b, :k].tolist(), strict=True)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from journeyman.engine.base import Sample, SamplingParams, T, hand_over
+from journeyman.engine.base import OnToken, Sample, SamplingParams, T, hand_over
 from journeyman.engine.batch import BatchRunner
 from journeyman.errors import EngineDownError
 
@@ -56,6 +56,7 @@ class _Job:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[list[Sample]]
+    on_token: OnToken | None = None  # told of each token as it is sampled (streaming)
 
 
 @dataclass(eq=False)
@@ -95,11 +96,13 @@ class Scheduler:
     def alive(self) -> bool:
         return self._down is None
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> asyncio.Future[list[Sample]]:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None = None
+    ) -> asyncio.Future[list[Sample]]:
         """Queue a request (checked already: see `BatchRunner.check_prompt`); its samples come on
-        the returned future, of the running loop."""
+        the returned future, of the running loop, and each token to `on_token` as it is sampled."""
         loop = asyncio.get_running_loop()
-        job = _Job(prompt_ids, params, loop, loop.create_future())
+        job = _Job(prompt_ids, params, loop, loop.create_future(), on_token)
         with self._lock:
             if self._down is not None:
                 raise EngineDownError(self._down)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from journeyman.engine.base import Engine, Sample, SamplingParams, T
+from journeyman.engine.base import Engine, OnToken, Sample, SamplingParams, T
 from journeyman.engine.batch import BatchRunner, RunnerConfig
 from journeyman.engine.scheduler import Scheduler, SchedulerConfig
 from journeyman.policy.lora import LoraPolicy
@@ -59,13 +59,23 @@ class TorchEngine(Engine):
         self.runner = self.scheduler.runner
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+        return await self._generate(prompt_ids, params, None)
+
+    async def generate_streaming(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken
+    ) -> list[Sample]:
+        return await self._generate(prompt_ids, params, on_token)
+
+    async def _generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None
+    ) -> list[Sample]:
         self.runner.check_prompt(prompt_ids, params)
         constraint = params.constraint
         if constraint is not None:
             # Compile here, off the worker: a bad schema fails this request alone (InvalidFieldError,
             # a 400), not every request batched with it; the worker then finds it compiled.
             await asyncio.to_thread(self.runner.compile, constraint)
-        return await self.scheduler.submit(prompt_ids, params)
+        return await self.scheduler.submit(prompt_ids, params, on_token)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the sampling thread, between two batches (`Scheduler.call`)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -84,7 +85,10 @@ def with_adapter(base: Any, lora: LoraConfig) -> Any:
     # same adapter whatever ran before it in the process (its global generator is left as it was).
     device = next(base.parameters()).device
     cuda = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
+    with torch.random.fork_rng(devices=cuda), warnings.catch_warnings():
+        # PEFT reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning on every
+        # load under transformers 5); our own switch uses the new names (training/trainer.py)
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         torch.manual_seed(lora.seed)
         model = get_peft_model(base, peft_config)
     model.eval()

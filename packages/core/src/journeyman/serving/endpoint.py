@@ -12,13 +12,12 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any, NamedTuple, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError
 
 from journeyman.chat.families import ChatFamily
@@ -44,6 +43,7 @@ from journeyman.serving.openai_http import (
     invalid_field,
 )
 from journeyman.serving.responses_api import add_routes as add_responses_routes
+from journeyman.serving.streaming import OnText, TextDeltas, stream_chat_completion, streaming_tokenizer
 
 T = TypeVar("T")
 
@@ -275,6 +275,7 @@ class Endpoint:
         self.captures = Captures()
         self.completions = 0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journeyman-prepare")
+        self._stream_tokenizer: Any = None  # made on the first streamed request
 
     def served_names(self) -> list[str]:
         return [self.model_name, f"{self.model_name}@{self.engine.step}"]
@@ -290,14 +291,26 @@ class Endpoint:
         }
 
     async def chat_completion(
-        self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
+        self,
+        body: dict[str, Any],
+        capture_id: str | None = None,
+        response_id: str | None = None,
+        on_text: OnText | None = None,
     ) -> dict[str, Any]:
-        """Serve one chat completion; `response_id` names the Responses API call it answers, if any."""
+        """Serve one chat completion; `response_id` names the Responses API call it answers, if any;
+        `on_text(choice, delta)` is told of the content as it is sampled (`streaming`)."""
         prepared = await self._serially(self._prepare, body)
+        req, params = prepared.req, prepared.params
+        if on_text is None:
+            sampling = self.engine.generate(prepared.prompt_ids, params)
+        else:
+            if self._stream_tokenizer is None:
+                self._stream_tokenizer = await self._serially(streaming_tokenizer, self.chat_format)
+            tools = bool(req.tools) and req.tool_choice != "none"
+            deltas = TextDeltas(self.chat_format, self._stream_tokenizer, tools, params.stop, on_text)
+            sampling = self.engine.generate_streaming(prepared.prompt_ids, params, deltas.on_token)
         try:
-            samples = await asyncio.wait_for(
-                self.engine.generate(prepared.prompt_ids, prepared.params), self.request_timeout_s
-            )
+            samples = await asyncio.wait_for(sampling, self.request_timeout_s)
         except TimeoutError:
             raise EngineTimeoutError(
                 f"no samples after {self.request_timeout_s:g} s (Endpoint.request_timeout_s): the engine is "
@@ -450,51 +463,15 @@ class Endpoint:
         return {"content": content, "refusal": None}
 
 
-def _chunks(response: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
-    """The finished completion as OpenAI stream chunks (role, content, tool calls, finish)."""
-
-    async def gen() -> AsyncIterator[str]:
-        base = {
-            "id": response["id"],
-            "object": "chat.completion.chunk",
-            "created": response["created"],
-            "model": response["model"],
-        }
-        for c in response["choices"]:
-            i, msg = c["index"], c["message"]
-            deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
-            if msg.get("reasoning_content"):
-                deltas.append({"reasoning_content": msg["reasoning_content"]})
-            if msg.get("content"):
-                deltas.append({"content": msg["content"]})
-            for k, call in enumerate(msg.get("tool_calls", [])):
-                deltas.append({"tool_calls": [{"index": k, **call}]})
-            for d in deltas:
-                yield (
-                    "data: "
-                    + json.dumps({**base, "choices": [{"index": i, "delta": d, "finish_reason": None}]})
-                    + "\n\n"
-                )
-            last = {
-                "index": i,
-                "delta": {},
-                "finish_reason": c["finish_reason"],
-                "logprobs": c["logprobs"],
-                "journeyman": c["journeyman"],
-            }
-            yield "data: " + json.dumps({**base, "choices": [last]}) + "\n\n"
-        if include_usage:
-            yield "data: " + json.dumps({**base, "choices": [], "usage": response["usage"]}) + "\n\n"
-        yield "data: [DONE]\n\n"
-
-    return gen()
-
-
 class Served(Protocol):
     """What the OpenAI routes need: one `Endpoint`, or a router over several (`journeyman serve`)."""
 
     async def chat_completion(
-        self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
+        self,
+        body: dict[str, Any],
+        capture_id: str | None = None,
+        response_id: str | None = None,
+        on_text: OnText | None = None,
     ) -> dict[str, Any]: ...
 
     def served_names(self) -> list[str]: ...
@@ -517,11 +494,10 @@ def build_app(endpoint: Served) -> FastAPI:
                 flags = _Streaming.model_validate(body)
             except ValidationError as e:
                 raise invalid_field(e) from None
-            response = await endpoint.chat_completion(body, capture_id)
             if flags.stream:
                 usage = flags.stream_options is not None and bool(flags.stream_options.include_usage)
-                return StreamingResponse(_chunks(response, usage), media_type="text/event-stream")
-            return response
+                return await stream_chat_completion(endpoint, body, capture_id, usage)
+            return await endpoint.chat_completion(body, capture_id)
 
         return await handle_json(request, handle)
 
