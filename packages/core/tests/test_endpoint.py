@@ -780,3 +780,30 @@ async def test_streamed_text_holds_back_what_may_not_stay_content(served) -> Non
     assert deltas._safe("Done. EN") == ("Done.", False)
     assert deltas._safe("Done. END and more") == ("Done.", True)
     assert deltas._safe("Caf\ufffd") == ("Caf", False)
+
+
+async def test_a_responses_stream_sends_text_as_it_is_sampled(served) -> None:
+    """/v1/responses with `stream` (the Agents SDK's `run_streamed`): text deltas as they are
+    sampled, then the completed response, which says what the unstreamed request says."""
+    model, _ = served
+    client = model.openai_client()
+    ask: dict[str, Any] = {
+        "model": model.name,
+        "input": "Tell me a story about a dog.",
+        "max_output_tokens": 40,
+        "temperature": 0.0,
+    }
+    deltas: list[str] = []
+    kinds: list[str] = []
+    completed: Any = None
+    async for event in await client.responses.create(**ask, stream=True):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        if event.type in ("response.completed", "response.incomplete"):
+            completed = event.response
+    whole = await client.responses.create(**ask)
+    assert len(deltas) > 1 and kinds[:2] == ["response.created", "response.in_progress"], kinds
+    assert completed is not None and "".join(deltas) == completed.output_text == whole.output_text
+    done = kinds.index("response.output_text.done")
+    assert kinds[done - 1] == "response.output_text.delta"

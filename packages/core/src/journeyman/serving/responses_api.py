@@ -5,7 +5,8 @@ Supported: `instructions`, `input` as a string or as items (messages with text p
 `function_call`, `function_call_output`; reasoning items are dropped), function tools,
 `tool_choice` (auto / none / required / a named function, the last two grammar-constrained),
 `text.format` (json_schema / json_object / text), `max_output_tokens`, `temperature`, `top_p`,
-and `stream` (the finished response replayed as Responses stream events). Not supported:
+and `stream` (the message's text as it is sampled, then what only the whole response says: see
+`_live`). Not supported:
 `previous_response_id` / `conversation` (no responses are stored) and hosted tools.
 
 Going through `Endpoint.chat_completion` keeps one data path: the same splicing of sampled turns,
@@ -16,10 +17,12 @@ call carries the Responses id as `CapturedCall.response_id`). The response also 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
@@ -45,7 +48,11 @@ class ChatCompleter(Protocol):
     """What the routes need of `endpoint.Endpoint` (named structurally: endpoint imports this module)."""
 
     async def chat_completion(
-        self, body: dict[str, Any], capture_id: str | None = None, response_id: str | None = None
+        self,
+        body: dict[str, Any],
+        capture_id: str | None = None,
+        response_id: str | None = None,
+        on_text: Callable[[int, str], None] | None = None,
     ) -> dict[str, Any]: ...
 
 
@@ -352,35 +359,30 @@ def response_from_chat(completion: dict[str, Any], body: dict[str, Any], rid: st
     }
 
 
-def _events(response: dict[str, Any]) -> list[dict[str, Any]]:
-    """The stream events of a finished response, in the order OpenAI sends them."""
+def _events(response: dict[str, Any], streamed: str | None = None, start: int = 0) -> list[dict[str, Any]]:
+    """The stream events of a finished response, in the order OpenAI sends them, numbered from
+    `start`. `streamed`: the text of its message already sent (`_live`), whose opening events and
+    deltas are not repeated."""
     pending = {**response, "status": "in_progress", "output": [], "incomplete_details": None}
-    events: list[dict[str, Any]] = [
-        {"type": "response.created", "response": pending},
-        {"type": "response.in_progress", "response": pending},
-    ]
+    events: list[dict[str, Any]] = []
+    if streamed is None:
+        events += [
+            {"type": "response.created", "response": pending},
+            {"type": "response.in_progress", "response": pending},
+        ]
     for i, item in enumerate(response["output"]):
         where = {"output_index": i, "item_id": item["id"]}
         if item["type"] == "message":
-            events.append(
-                {
-                    "type": "response.output_item.added",
-                    "output_index": i,
-                    "item": {**item, "status": "in_progress", "content": []},
-                }
-            )
             part = item["content"][0]
-            empty = {**part, "text": ""}
             text = part["text"]
+            delta = text
+            if streamed is not None and i == 0:
+                delta = text[len(streamed) :] if text.startswith(streamed) else ""
+            else:
+                events += _message_opened(item, i)
+            if delta:
+                events.append(_text_delta(item["id"], i, delta))
             events += [
-                {"type": "response.content_part.added", **where, "content_index": 0, "part": empty},
-                {
-                    "type": "response.output_text.delta",
-                    **where,
-                    "content_index": 0,
-                    "delta": text,
-                    "logprobs": [],
-                },
                 {
                     "type": "response.output_text.done",
                     **where,
@@ -408,12 +410,114 @@ def _events(response: dict[str, Any]) -> list[dict[str, Any]]:
         events.append({"type": "response.output_item.done", "output_index": i, "item": item})
     final = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
     events.append({"type": final, "response": response})
-    return [{**e, "sequence_number": n} for n, e in enumerate(events)]
+    return [{**e, "sequence_number": n} for n, e in enumerate(events, start)]
+
+
+def _message_opened(item: dict[str, Any], i: int) -> list[dict[str, Any]]:
+    """A message item's opening events: the item, then its (empty) text part."""
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    return [
+        {
+            "type": "response.output_item.added",
+            "output_index": i,
+            "item": {**item, "status": "in_progress", "content": []},
+        },
+        {
+            "type": "response.content_part.added",
+            "output_index": i,
+            "item_id": item["id"],
+            "content_index": 0,
+            "part": part,
+        },
+    ]
+
+
+def _text_delta(item_id: str, i: int, delta: str) -> dict[str, Any]:
+    return {
+        "type": "response.output_text.delta",
+        "output_index": i,
+        "item_id": item_id,
+        "content_index": 0,
+        "delta": delta,
+        "logprobs": [],
+    }
+
+
+def _sse_line(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
 async def _sse(response: dict[str, Any]) -> AsyncIterator[str]:
     for e in _events(response):
-        yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
+        yield _sse_line(e)
+
+
+async def _live(
+    endpoint: ChatCompleter, chat: dict[str, Any], body: dict[str, Any], capture_id: str | None, rid: str
+) -> StreamingResponse:
+    """The response's events as the text is sampled (the chat route's `on_text`): its message is
+    opened with the first text, each delta follows, and what only the whole completion says (the
+    rest of the text, function calls, usage) comes at the end. An error before any text is the
+    request's error; after it, the stream ends with an error event."""
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+    def on_text(index: int, delta: str) -> None:
+        if index == 0:
+            queue.put_nowait(delta)
+
+    task = asyncio.ensure_future(endpoint.chat_completion(chat, capture_id, response_id=rid, on_text=on_text))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    first = await queue.get()
+    if first is None:
+        return StreamingResponse(
+            _sse(response_from_chat(await _answered(task), body, rid)), media_type=EVENTS
+        )
+    empty = {"choices": [{"message": {"content": ""}, "finish_reason": "stop", "journeyman": None}]}
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    skeleton = response_from_chat(
+        {**empty, "usage": usage, "created": int(time.time()), "model": chat["model"]}, body, rid
+    )
+    pending = {**skeleton, "status": "in_progress", "output": [], "usage": None}
+    message = skeleton["output"][0]
+
+    async def events() -> AsyncIterator[str]:
+        head = [
+            {"type": "response.created", "response": pending},
+            {"type": "response.in_progress", "response": pending},
+            *_message_opened(message, 0),
+        ]
+        n = 0
+        for e in head:
+            yield _sse_line({**e, "sequence_number": n})
+            n += 1
+        sent, delta = "", first
+        while delta is not None:
+            sent += delta
+            yield _sse_line({**_text_delta(message["id"], 0, delta), "sequence_number": n})
+            n += 1
+            delta = await queue.get()
+        try:
+            response = response_from_chat(await _answered(task), body, rid)
+        except Exception as e:  # after text was sent: the stream ends with the error
+            yield _sse_line(
+                {"type": "error", "message": str(e), "code": type(e).__name__, "sequence_number": n}
+            )
+            return
+        for e in _events(response, sent, n):
+            yield _sse_line(e)
+
+    return StreamingResponse(events(), media_type=EVENTS)
+
+
+async def _answered(task: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completion, its field errors named as this route's request spells them."""
+    try:
+        return await task
+    except InvalidFieldError as e:
+        raise InvalidFieldError(responses_field(e.field), e.value, e.reason) from None
+
+
+EVENTS = "text/event-stream"
 
 
 def add_routes(app: FastAPI, endpoint: ChatCompleter) -> None:
@@ -425,14 +529,12 @@ def add_routes(app: FastAPI, endpoint: ChatCompleter) -> None:
             rid = new_response_id()
             req = responses_request(body)
             chat = _chat_request(req)
-            try:
-                completion = await endpoint.chat_completion(chat, capture_id, response_id=rid)
-            except InvalidFieldError as e:  # the chat route's checks, named as this request spells them
-                raise InvalidFieldError(responses_field(e.field), e.value, e.reason) from None
-            response = response_from_chat(completion, body, rid)
             if req.stream:
-                return StreamingResponse(_sse(response), media_type="text/event-stream")
-            return response
+                return await _live(endpoint, chat, body, capture_id, rid)
+            completion = await _answered(
+                asyncio.ensure_future(endpoint.chat_completion(chat, capture_id, response_id=rid))
+            )
+            return response_from_chat(completion, body, rid)
 
         return await handle_json(request, handle)
 
