@@ -450,3 +450,24 @@ async def test_a_killed_server_fails_its_requests_fast_and_is_restarted_on_the_s
         f"\nkilled vLLM: {len(refused)}/8 in-flight failed in {failed_within:.2f} s; restarted in "
         f"{engine.server.startup_seconds:.0f} s on step {engine.step}"
     )
+
+
+async def test_a_stream_through_vllm_sends_tokens_as_they_come(vllm_served) -> None:
+    """vLLM's own stream feeds the endpoint's: more than one content delta, the same text and token
+    record as the unstreamed greedy request."""
+    model, _ = vllm_served
+    client = model.openai_client()
+    ask: dict[str, Any] = {"model": model.name, "messages": SEA, "max_tokens": 24, "temperature": 0}
+    deltas: list[str] = []
+    record: dict[str, Any] | None = None
+    async for chunk in await client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            if choice.delta.content:
+                deltas.append(choice.delta.content)
+            if choice.finish_reason is not None:
+                record = (choice.model_extra or {})["journeyman"]
+    whole = await client.chat.completions.create(**ask)
+    assert len(deltas) > 1, deltas
+    assert "".join(deltas) == whole.choices[0].message.content
+    assert record is not None and record["token_ids"] == jm.record_of(whole.choices[0]).token_ids
+    assert record["logprobs"] == pytest.approx(jm.record_of(whole.choices[0]).logprobs, abs=1e-4)

@@ -26,6 +26,7 @@ and its requests failing fast (`EngineDownError`) until a later wake succeeds.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -36,7 +37,7 @@ from typing import Any
 import httpx
 
 from journeyman.engine import handoff
-from journeyman.engine.base import Engine, Sample, SamplingParams
+from journeyman.engine.base import Engine, OnToken, Sample, SamplingParams
 from journeyman.engine.grammar import SCHEMA_FIELD, wrapped_ebnf
 from journeyman.engine.vllm_server import VLLMConfig, VLLMServer
 from journeyman.errors import EngineDownError, InvalidFieldError, JourneymanError
@@ -146,24 +147,32 @@ class VLLMEngine(Engine):
         try:
             resp = await self._client().post(path, json=body)
         except httpx.HTTPError as e:
-            # a dead server's connections break before its supervisor has reaped it: a moment's grace
-            for _ in range(40):
-                if self._down is not None or not self.server.alive():
-                    break
-                await asyncio.sleep(0.05)
+            raise await self._broken(e, what) from e
+        self._check(resp, what)
+        return resp
+
+    async def _broken(self, e: httpx.HTTPError, what: str) -> Exception:
+        """The error of a request whose connection failed: the server died, or the request did."""
+        # a dead server's connections break before its supervisor has reaped it: a moment's grace
+        for _ in range(40):
             if self._down is not None or not self.server.alive():
-                raise EngineDownError(
-                    f"{what}: the vLLM server exited while serving it ({type(e).__name__}); "
-                    f"{self._down or 'restarting it'}; log tail:\n{self.server.log_tail(20)}"
-                ) from e
-            raise VLLMRequestError(
-                f"{what}: {type(e).__name__}: {e} (vLLM server running; log tail:)\n{self.server.log_tail(20)}"
-            ) from e
+                break
+            await asyncio.sleep(0.05)
+        if self._down is not None or not self.server.alive():
+            return EngineDownError(
+                f"{what}: the vLLM server exited while serving it ({type(e).__name__}); "
+                f"{self._down or 'restarting it'}; log tail:\n{self.server.log_tail(20)}"
+            )
+        return VLLMRequestError(
+            f"{what}: {type(e).__name__}: {e} (vLLM server running; log tail:)\n{self.server.log_tail(20)}"
+        )
+
+    @staticmethod
+    def _check(resp: httpx.Response, what: str) -> None:
         if resp.status_code == 400:
             raise _Refused(resp)
         if resp.status_code != 200:
             raise VLLMRequestError(f"{what}: vLLM answered {resp.status_code}: {resp.text[:2000]}")
-        return resp
 
     # -- supervision -------------------------------------------------------------------------------
 
@@ -248,22 +257,71 @@ class VLLMEngine(Engine):
         return body
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+        return await self._generate(prompt_ids, params, None)
+
+    async def generate_streaming(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken
+    ) -> list[Sample]:
+        return await self._generate(prompt_ids, params, on_token)
+
+    async def _generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None
+    ) -> list[Sample]:
         if not self._awake.is_set():  # a training step has the GPU: wait for it, on any event loop
             await asyncio.to_thread(self._awake.wait)
         if self._wake_error is not None:
             raise EngineDownError(f"completion: vLLM did not wake: {self._wake_error}")
+        body = self.request_body(prompt_ids, params)
         try:
-            resp = await self._post("/v1/completions", self.request_body(prompt_ids, params), "completion")
+            if on_token is None:
+                choices = (await self._post("/v1/completions", body, "completion")).json()["choices"]
+            else:
+                choices = await self._stream(body, on_token)
         except _Refused as e:  # vLLM's 400: a bad value in this request, named like the endpoint names it
             field = SCHEMA_FIELD if params.json_schema is not None else (e.param or "request")
             value = params.json_schema if params.json_schema is not None else None
             raise InvalidFieldError(field, value, f"vLLM refused it: {e.message}") from None
-        data = resp.json()
-        samples = [_sample(choice, params.top_logprobs) for choice in sorted(data["choices"], key=_index)]
+        samples = [_sample(choice, params.top_logprobs) for choice in sorted(choices, key=_index)]
         if params.json_schema is not None:
-            await self._rescore(prompt_ids, samples, str(data.get("model") or self.served_model), params)
+            await self._rescore(prompt_ids, samples, str(body.get("model") or self.served_model), params)
         self._served += 1
         return samples
+
+    async def _stream(self, body: dict[str, Any], on_token: OnToken) -> list[dict[str, Any]]:
+        """The completion streamed (`stream`): each token to `on_token` as its chunk arrives, and the
+        choices put together as the unstreamed answer has them (token ids, logprobs, text, finish)."""
+        what = "completion"
+        if self._down is not None:
+            raise EngineDownError(f"{what}: {self._down}")
+        choices: dict[int, dict[str, Any]] = {}
+        try:
+            async with self._client().stream(
+                "POST", "/v1/completions", json={**body, "stream": True}
+            ) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    self._check(resp, what)
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    for part in json.loads(line[len("data: ") :]).get("choices", []):
+                        i = _index(part)
+                        into = choices.setdefault(
+                            i,
+                            {"index": i, "token_ids": [], "text": "", "finish_reason": None, "logprobs": {}},
+                        )
+                        ids = part.get("token_ids") or []
+                        for t in ids:
+                            on_token(i, int(t))
+                        into["token_ids"] += ids
+                        into["text"] += part.get("text") or ""
+                        into["finish_reason"] = part.get("finish_reason") or into["finish_reason"]
+                        lp = part.get("logprobs") or {}
+                        for key in ("token_logprobs", "top_logprobs"):
+                            into["logprobs"].setdefault(key, []).extend(lp.get(key) or [])
+        except httpx.HTTPError as e:
+            raise await self._broken(e, what) from e
+        return list(choices.values())
 
     async def _rescore(
         self, prompt_ids: list[int], samples: list[Sample], model: str, params: SamplingParams
