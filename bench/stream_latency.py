@@ -2,8 +2,8 @@
 
 `stream=True` chat completions of 96 tokens (greedy, a story prompt) at 1 and 32 concurrent streams:
 per stream the seconds to its first content delta and to its last chunk, medians over the streams.
-Arms: the in-process torch engine (tokens leave as they are sampled) and vLLM CPU + LoRA through
-the same endpoint (its completion is sent when done: `Engine.generate_streaming`'s default).
+Arms: the in-process torch engine and vLLM CPU + LoRA (its own stream feeding the endpoint's),
+through the same endpoint.
 
     uv run python bench/stream_latency.py
     uv run python bench/stream_latency.py --no-vllm --concurrency 1 8 32

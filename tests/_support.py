@@ -261,3 +261,17 @@ def embedded_policy_with_adapter() -> Any:
                 p.normal_(0.0, 0.02, generator=gen)
         policy.version += 1
     return policy
+
+
+async def streamed_chat(client: Any, ask: dict[str, Any]) -> tuple[list[str], dict[str, Any] | None]:
+    """A chat completion asked with `stream=True`: its content deltas, and the token record its
+    last chunk carries."""
+    deltas: list[str] = []
+    record: dict[str, Any] | None = None
+    async for chunk in await client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            if choice.delta.content:
+                deltas.append(choice.delta.content)
+            if choice.finish_reason is not None:
+                record = (choice.model_extra or {})["journeyman"]
+    return deltas, record

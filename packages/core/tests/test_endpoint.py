@@ -12,7 +12,7 @@ import httpx
 import journeyman as jm
 import openai
 import pytest
-from _support import embedded_policy_with_adapter, few_shot, tool_round_trip, weather_tools
+from _support import embedded_policy_with_adapter, few_shot, streamed_chat, tool_round_trip, weather_tools
 from journeyman.training.rows import trajectory_rows
 
 pytestmark = pytest.mark.integration
@@ -750,15 +750,7 @@ async def test_a_stream_sends_text_as_it_is_sampled(served) -> None:
         "max_tokens": 40,
         "temperature": 0.0,
     }
-    stream = await client.chat.completions.create(**ask, stream=True)
-    deltas: list[str] = []
-    record: dict[str, Any] | None = None
-    async for chunk in stream:
-        for choice in chunk.choices:
-            if choice.delta.content:
-                deltas.append(choice.delta.content)
-            if choice.finish_reason is not None:
-                record = (choice.model_extra or {})["journeyman"]
+    deltas, record = await streamed_chat(client, ask)
     whole = await client.chat.completions.create(**ask)
     assert len(deltas) > 1, deltas
     assert "".join(deltas) == whole.choices[0].message.content

@@ -27,7 +27,7 @@ import journeyman as jm
 import jsonschema
 import openai
 import pytest
-from _support import tool_round_trip
+from _support import streamed_chat, tool_round_trip
 from journeyman.app import tasks
 from journeyman.app.demo import run_demo
 from journeyman.engine import vllm_env
@@ -458,14 +458,7 @@ async def test_a_stream_through_vllm_sends_tokens_as_they_come(vllm_served) -> N
     model, _ = vllm_served
     client = model.openai_client()
     ask: dict[str, Any] = {"model": model.name, "messages": SEA, "max_tokens": 24, "temperature": 0}
-    deltas: list[str] = []
-    record: dict[str, Any] | None = None
-    async for chunk in await client.chat.completions.create(**ask, stream=True):
-        for choice in chunk.choices:
-            if choice.delta.content:
-                deltas.append(choice.delta.content)
-            if choice.finish_reason is not None:
-                record = (choice.model_extra or {})["journeyman"]
+    deltas, record = await streamed_chat(client, ask)
     whole = await client.chat.completions.create(**ask)
     assert len(deltas) > 1, deltas
     assert "".join(deltas) == whole.choices[0].message.content

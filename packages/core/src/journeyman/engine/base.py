@@ -136,16 +136,13 @@ class Engine(ABC):
     step: int = 0
 
     @abstractmethod
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        """Return `params.n` samples for one prompt. Concurrent calls are batched by the engine."""
-
-    async def generate_streaming(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None = None
     ) -> list[Sample]:
-        """`generate`, calling `on_token(completion index, token id)` as each token is sampled (from
-        any thread: keep it short). Engines that cannot stream call it for none; the samples at the
-        end are what count."""
-        return await self.generate(prompt_ids, params)
+        """Return `params.n` samples for one prompt. Concurrent calls are batched by the engine.
+        `on_token(completion index, token id)` is told of each token as it is sampled (from any
+        thread: keep it short); an engine that cannot stream tells it nothing, and the samples
+        returned are what count."""
 
     @abstractmethod
     async def load_adapter(self, path: Path, step: int) -> None:

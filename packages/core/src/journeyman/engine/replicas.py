@@ -54,25 +54,14 @@ class ReplicatedEngine(Engine):
         home = live[zlib.crc32(affinity.encode()) % len(live)]
         return home if self.in_flight[home] <= self.in_flight[least] + self.max_skew else least
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        return await self._routed(prompt_ids, params, None)
-
-    async def generate_streaming(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken
-    ) -> list[Sample]:
-        return await self._routed(prompt_ids, params, on_token)
-
-    async def _routed(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None = None
     ) -> list[Sample]:
         i = self.pick(params.affinity)
         self.in_flight[i] += 1
         self.routed[i] += 1
         try:
-            replica = self.replicas[i]
-            if on_token is None:
-                return await replica.generate(prompt_ids, params)
-            return await replica.generate_streaming(prompt_ids, params, on_token)
+            return await self.replicas[i].generate(prompt_ids, params, on_token)
         except EngineDownError:
             if i not in self.down:
                 self.down.add(i)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from journeyman.chat.formats import ChatFormat
-from journeyman.engine.base import Engine, FinishReason, Sample, SamplingParams
+from journeyman.engine.base import Engine, FinishReason, OnToken, Sample, SamplingParams
 from journeyman.errors import EngineDownError, InvalidFieldError
 
 Reply = str | Sequence[int]
@@ -91,7 +91,9 @@ class ScriptedEngine(Engine):
                 return tid
         return fmt.eos_id
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None = None
+    ) -> list[Sample]:
         if self._closed:
             raise EngineDownError("the scripted engine is closed")
         self.requests.append((list(prompt_ids), params))
@@ -101,6 +103,9 @@ class ScriptedEngine(Engine):
         for k in range(params.n):
             ids = self._reply_ids(ScriptedCall(list(prompt_ids), params, k, self._served + k))
             samples.append(self._sample(prompt_ids, ids, params))
+            if on_token is not None:  # all at once: it is a script
+                for t in samples[-1].token_ids:
+                    on_token(k, t)
         self._served += params.n
         return samples
 

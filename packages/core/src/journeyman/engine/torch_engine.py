@@ -58,16 +58,8 @@ class TorchEngine(Engine):
         self.scheduler = Scheduler(runner, config)  # starts the worker thread
         self.runner = self.scheduler.runner
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        return await self._generate(prompt_ids, params, None)
-
-    async def generate_streaming(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken
-    ) -> list[Sample]:
-        return await self._generate(prompt_ids, params, on_token)
-
-    async def _generate(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None = None
     ) -> list[Sample]:
         self.runner.check_prompt(prompt_ids, params)
         constraint = params.constraint

@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from journeyman.data.config import LoraConfig
-from journeyman.engine.base import Engine, Sample, SamplingParams, hand_over
+from journeyman.engine.base import Engine, OnToken, Sample, SamplingParams, hand_over
 from journeyman.errors import EngineDownError, EngineTimeoutError, InvalidFieldError, JourneymanError
 
 log = logging.getLogger("journeyman.engine")
@@ -134,7 +134,10 @@ class TorchProcessEngine(Engine):
     def requests_served(self) -> int:
         return self._served
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None = None
+    ) -> list[Sample]:
+        # the worker process answers whole: a streamed request gets its text at the end
         reply = await self._call(_Call(id=0, op="generate", prompt_ids=prompt_ids, params=params), None)
         self._served += 1
         return reply.samples

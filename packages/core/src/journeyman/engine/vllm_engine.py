@@ -256,16 +256,8 @@ class VLLMEngine(Engine):
             body["structured_outputs"] = {"json": params.json_schema, "disable_any_whitespace": True}
         return body
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        return await self._generate(prompt_ids, params, None)
-
-    async def generate_streaming(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken
-    ) -> list[Sample]:
-        return await self._generate(prompt_ids, params, on_token)
-
-    async def _generate(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None = None
     ) -> list[Sample]:
         if not self._awake.is_set():  # a training step has the GPU: wait for it, on any event loop
             await asyncio.to_thread(self._awake.wait)

@@ -43,7 +43,13 @@ from journeyman.serving.openai_http import (
     invalid_field,
 )
 from journeyman.serving.responses_api import add_routes as add_responses_routes
-from journeyman.serving.streaming import OnText, TextDeltas, stream_chat_completion, streaming_tokenizer
+from journeyman.serving.streaming import (
+    OnText,
+    Streams,
+    TextDeltas,
+    stream_chat_completion,
+    streaming_tokenizer,
+)
 
 T = TypeVar("T")
 
@@ -301,14 +307,15 @@ class Endpoint:
         `on_text(choice, delta)` is told of the content as it is sampled (`streaming`)."""
         prepared = await self._serially(self._prepare, body)
         req, params = prepared.req, prepared.params
-        if on_text is None:
-            sampling = self.engine.generate(prepared.prompt_ids, params)
-        else:
+        on_token = None
+        if on_text is not None:
             if self._stream_tokenizer is None:
                 self._stream_tokenizer = await self._serially(streaming_tokenizer, self.chat_format)
             tools = bool(req.tools) and req.tool_choice != "none"
-            deltas = TextDeltas(self.chat_format, self._stream_tokenizer, tools, params.stop, on_text)
-            sampling = self.engine.generate_streaming(prepared.prompt_ids, params, deltas.on_token)
+            on_token = TextDeltas(
+                self.chat_format, self._stream_tokenizer, tools, params.stop, on_text
+            ).on_token
+        sampling = self.engine.generate(prepared.prompt_ids, params, on_token)
         try:
             samples = await asyncio.wait_for(sampling, self.request_timeout_s)
         except TimeoutError:
@@ -463,16 +470,8 @@ class Endpoint:
         return {"content": content, "refusal": None}
 
 
-class Served(Protocol):
+class Served(Streams, Protocol):
     """What the OpenAI routes need: one `Endpoint`, or a router over several (`journeyman serve`)."""
-
-    async def chat_completion(
-        self,
-        body: dict[str, Any],
-        capture_id: str | None = None,
-        response_id: str | None = None,
-        on_text: OnText | None = None,
-    ) -> dict[str, Any]: ...
 
     def served_names(self) -> list[str]: ...
 

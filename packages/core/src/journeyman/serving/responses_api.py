@@ -22,8 +22,8 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal, Protocol
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -42,19 +42,7 @@ from pydantic import (
 from journeyman.chat.messages import ROLES, text_of, tool_arguments
 from journeyman.errors import InvalidFieldError
 from journeyman.serving.openai_http import JsonSchema, ToolChoiceMode, ToolName, handle_json, invalid_field
-
-
-class ChatCompleter(Protocol):
-    """What the routes need of `endpoint.Endpoint` (named structurally: endpoint imports this module)."""
-
-    async def chat_completion(
-        self,
-        body: dict[str, Any],
-        capture_id: str | None = None,
-        response_id: str | None = None,
-        on_text: Callable[[int, str], None] | None = None,
-    ) -> dict[str, Any]: ...
-
+from journeyman.serving.streaming import Streams
 
 _MESSAGE_ROLES = ROLES - {"tool"}  # tool results arrive as function_call_output items
 
@@ -453,7 +441,7 @@ async def _sse(response: dict[str, Any]) -> AsyncIterator[str]:
 
 
 async def _live(
-    endpoint: ChatCompleter, chat: dict[str, Any], body: dict[str, Any], capture_id: str | None, rid: str
+    endpoint: Streams, chat: dict[str, Any], body: dict[str, Any], capture_id: str | None, rid: str
 ) -> StreamingResponse:
     """The response's events as the text is sampled (the chat route's `on_text`): its message is
     opened with the first text, each delta follows, and what only the whole completion says (the
@@ -520,7 +508,7 @@ async def _answered(task: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
 EVENTS = "text/event-stream"
 
 
-def add_routes(app: FastAPI, endpoint: ChatCompleter) -> None:
+def add_routes(app: FastAPI, endpoint: Streams) -> None:
     """Register `POST /v1/responses` on the endpoint's app."""
 
     @app.post("/v1/responses")

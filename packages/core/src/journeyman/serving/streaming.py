@@ -1,7 +1,7 @@
 """Chat completions streamed as the engine samples: text deltas while the completion runs, then what
 only the whole completion can say (tool calls, reasoning, the finish reason, the token record).
 
-The engine tells the endpoint of each token (`Engine.generate_streaming`); `TextDeltas` turns the
+The engine tells the endpoint of each token (`Engine.generate`'s `on_token`); `TextDeltas` turns the
 tokens of each completion into the text a client may be shown so far and hands on what is new. It
 holds back what the finished message might not contain: the start of a tool call (the family's
 opening marker, or a prefix of it at the end), a stop string or its start, a character still being
@@ -24,7 +24,7 @@ from fastapi.responses import StreamingResponse
 
 from journeyman.chat.formats import ChatFormat
 
-__all__ = ["OnText", "TextDeltas", "final_chunks", "stream_chat_completion", "streaming_tokenizer"]
+__all__ = ["OnText", "Streams", "TextDeltas", "final_chunks", "stream_chat_completion", "streaming_tokenizer"]
 
 # Called with (choice index, text delta) on the event loop as a completion's text grows.
 OnText = Callable[[int, str], None]
