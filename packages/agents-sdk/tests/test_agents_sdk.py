@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, Literal
 
 import journeyman as jm
@@ -17,18 +18,23 @@ import torch
 from agents import (
     Agent,
     GuardrailFunctionOutput,
+    InputGuardrailTripwireTriggered,
     ModelSettings,
+    OutputGuardrailTripwireTriggered,
     RunConfig,
+    RunHooks,
     function_tool,
     handoff,
     input_guardrail,
+    output_guardrail,
 )
 from agents.items import ToolCallItem
-from agents.tracing import Span, Trace, TracingProcessor, add_trace_processor
+from agents.tracing import Span, Trace, TracingProcessor, add_trace_processor, flush_traces, trace
+from agents.tracing.processors import default_exporter
 from journeyman import History, TokenRecord, Trajectory
 from journeyman.serving.responses_api import chat_messages
 from journeyman_agents import TrainableRunner
-from journeyman_agents._tracing import _key_from_output
+from journeyman_agents._tracing import EXPORT_NOTICE, _key_from_output
 
 pytestmark = pytest.mark.integration
 APIS = ["responses", "chat_completions"]
@@ -318,3 +324,91 @@ async def test_run_stopped_by_max_turns_is_a_trajectory_and_trains(served: tuple
     done.reward = 1.0
     result = await model.train([group], config=jm.TrainConfig(learning_rate=1e-4))
     assert result.step == 1 and not result.skipped
+
+
+@output_guardrail
+def _no_math(ctx: Any, agent: Agent[Any], output: Any) -> GuardrailFunctionOutput:
+    return GuardrailFunctionOutput(output_info={"is_math": True}, tripwire_triggered=True)
+
+
+class _CallDone(RunHooks[Any]):
+    """Lets a parallel guardrail wait until the first model call is back (and filed)."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+
+    async def on_llm_end(self, context: Any, agent: Agent[Any], response: Any) -> None:
+        self.done.set()
+
+
+async def test_tripwire_exception_is_kept_and_input_tripwires_raise_whatever_the_timing(
+    scripted: tuple[Any, Any],
+) -> None:
+    model, backend = scripted
+    runner = TrainableRunner(model)
+    agent = Agent(name="Tutor", instructions="Help with homework.")
+    # the SDK's output guardrail example, on the returned run instead of in an `except` clause
+    run = await runner.run(agent.clone(output_guardrails=[_no_math]), "Solve 2x + 3 = 11.")
+    assert run.result is None and isinstance(run.exception, OutputGuardrailTripwireTriggered)
+    assert run.exception.guardrail_result.output.output_info == {"is_math": True}
+    assert run.trajectory.error is not None and run.trajectory.error.exception is run.exception
+    assert len(run.trajectory.records()) == 1  # the answer the guardrail refused, kept to train
+    streamed = runner.run_streamed(agent.clone(output_guardrails=[_no_math]), "Solve 2x + 3 = 11.")
+    kept = await streamed.trajectory()
+    assert kept.error is not None and isinstance(kept.error.exception, OutputGuardrailTripwireTriggered)
+
+    # input tripwires: before the call, while it is in flight, after it came back: all raise alike
+    hooks = _CallDone()
+
+    @input_guardrail(run_in_parallel=False)
+    def before(ctx: Any, agent: Agent[Any], input: Any) -> GuardrailFunctionOutput:
+        return GuardrailFunctionOutput(output_info="before", tripwire_triggered=True)
+
+    engine = backend.engine(model)
+    served = len(engine.requests)
+
+    @input_guardrail  # parallel (the SDK's default), tripping while the engine holds the call
+    async def during(ctx: Any, agent: Agent[Any], input: Any) -> GuardrailFunctionOutput:
+        async with asyncio.timeout(10):
+            while len(engine.requests) == served:
+                await asyncio.sleep(0.01)
+        return GuardrailFunctionOutput(output_info="during", tripwire_triggered=True)
+
+    @input_guardrail  # parallel, tripping once the call was answered and filed
+    async def after(ctx: Any, agent: Agent[Any], input: Any) -> GuardrailFunctionOutput:
+        await asyncio.wait_for(hooks.done.wait(), 10)
+        return GuardrailFunctionOutput(output_info="after", tripwire_triggered=True)
+
+    for guardrail, delay_s in [(before, 0.0), (during, 0.3), (after, 0.0)]:
+        engine.delay_s = delay_s
+        served = len(engine.requests)
+        refusing = agent.clone(input_guardrails=[guardrail])
+        with pytest.raises(InputGuardrailTripwireTriggered) as raised:
+            await runner.run(refusing, "Solve 2x + 3 = 11.", hooks=hooks)
+        assert raised.value.guardrail_result.output.output_info == guardrail.get_name()
+        assert len(engine.requests) - served == (0 if guardrail is before else 1)
+    assert hooks.done.is_set()
+    hooks.done.clear()
+    streamed = runner.run_streamed(agent.clone(input_guardrails=[after]), "Solve 2x + 3 = 11.", hooks=hooks)
+    with pytest.raises(InputGuardrailTripwireTriggered):
+        await streamed.trajectory()
+
+
+async def test_no_trace_export_notice_for_served_runs(
+    scripted: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With no OpenAI key, the SDK's exporter notice is ours to drop only while our traces alone are skipped."""
+    model, _ = scripted
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delitem(default_exporter().__dict__, "api_key", raising=False)  # a key cached earlier
+    runner = TrainableRunner(model)
+    flush_traces()  # what earlier tests left goes first
+    with caplog.at_level(logging.WARNING, logger="openai.agents"):
+        caplog.clear()
+        await runner.run(Agent(name="Echo"), "Say OK.")
+        flush_traces()
+        assert EXPORT_NOTICE not in caplog.messages
+        with trace("the user's own workflow"):  # a trace of theirs, skipped too: they hear of it
+            pass
+        flush_traces()
+        assert caplog.messages.count(EXPORT_NOTICE) == 1

@@ -90,6 +90,8 @@ def test_failed_run_policies() -> None:
     assert kept.reward == -1.0 and kept.metrics == {"errored": True} and "RuntimeError" in kept.logs[0]
     back = jm.Trajectory.model_validate_json(kept.model_dump_json())
     assert back.error == kept.error and back.records() == kept.records()
+    # the exception object itself, for `except`-style handling, in this process only
+    assert kept.error.exception is err and back.error is not None and back.error.exception is None
     preset = _partial()
     preset.reward = 0.25  # a reward the run set before it raised wins over error_reward
     assert settle_failed_run(preset, err, "score", 0.0).reward == 0.25

@@ -70,12 +70,13 @@ Sampled = tuple[list[int], list[int], list[float]]
 
 @contextlib.contextmanager
 def _recording(engine: Any) -> Iterator[list[Sampled]]:
-    """(prompt ids, sampled ids, their logprobs) of every sample `engine` generates meanwhile."""
+    """(prompt ids, sampled ids, their logprobs) of every sample `engine` generates meanwhile,
+    streamed ones (`on_token`) included."""
     generate = engine.generate
     log: list[Sampled] = []
 
-    async def recording(prompt_ids: list[int], params: Any) -> Any:
-        samples = await generate(prompt_ids, params)
+    async def recording(prompt_ids: list[int], params: Any, on_token: Any = None) -> Any:
+        samples = await generate(prompt_ids, params, on_token)
         log.extend((list(prompt_ids), list(s.token_ids), list(s.logprobs)) for s in samples)
         return samples
 
@@ -94,7 +95,7 @@ def engine_log(served: Any) -> Iterator[list[Sampled]]:
         yield log
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # module-wide: the `scripted` fixture's backend renders with it too
 def chat_format(served: Any) -> ChatFormat:
     model, backend = served
     return backend.service(model).chat_format
@@ -303,11 +304,63 @@ async def test_return_value_and_scope_errors(served: Any) -> None:
         init_chat_model()
 
     @trajectory(model)
-    async def nothing_marked() -> float:
+    async def no_call() -> float:
         return 1.0
 
-    t = await nothing_marked()
-    assert t.reward == 1.0 and not t.messages_and_choices and "no trainable LLM call" in t.logs[0]
+    t = await no_call()
+    assert t.reward == 1.0 and not t.messages_and_choices and "made no LLM call" in t.logs[0]
+
+
+async def test_mark_the_policy_advice_only_when_nothing_was_marked(scripted: Any) -> None:
+    model, _ = scripted
+    policy = trainable(chat_model(model))
+    unmarked = chat_model(model)
+
+    @trajectory(model)
+    async def episode(call: Any | None) -> float:
+        if call is not None:
+            await call.ainvoke("Say OK.")
+        return 1.0
+
+    marked_but_quiet = await episode(None)  # the policy is marked; this episode had no use for it
+    assert marked_but_quiet.logs == ["the episode made no LLM call: nothing to train"]
+    (advice,) = (await episode(unmarked)).logs  # a call was made, and nothing was marked
+    assert "mark the policy with `trainable`" in advice
+    trained = await episode(policy)
+    assert not trained.logs and len(trained.records()) == 1
+
+
+def _subgraph(llm: Any) -> Any:
+    def agent(state: WeatherState) -> dict[str, Any]:
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    g = StateGraph(WeatherState)
+    g.add_node("agent", agent)
+    g.add_edge(START, "agent")
+    return g.compile()
+
+
+async def test_subgraph_calls_are_named_by_their_path(scripted: Any) -> None:
+    """Two subgraphs with an "agent" node each (LangGraph's multi-agent shape) are told apart."""
+    model, _ = scripted
+    llm = trainable(chat_model(model))
+    g = StateGraph(WeatherState)
+    g.add_node("researcher", _subgraph(llm))
+    g.add_node("writer", _subgraph(llm))
+    g.add_node("agent", lambda state: {"messages": [llm.invoke(state["messages"])]})
+    g.add_edge(START, "researcher")
+    g.add_edge("researcher", "writer")
+    g.add_edge("writer", "agent")
+    graph = g.compile()
+
+    @trajectory(model)
+    async def rollout() -> float:
+        await graph.ainvoke({"messages": [("user", "Plan a trip.")]})
+        return 1.0
+
+    t = await rollout()
+    assert t.metadata["langgraph_nodes"] == ["researcher/agent", "writer/agent", "agent"]
+    assert len(t.records()) == 3
 
 
 class ToolBudgetError(RuntimeError):
@@ -374,6 +427,7 @@ async def test_episode_whose_node_raises_is_a_trajectory_and_trains(
     (failed,) = group.errored()
     assert len(group.trajectories) == 2 and len(log) == 3
     assert failed.error is not None and failed.error.type == "ToolBudgetError"
+    assert isinstance(failed.error.exception, ToolBudgetError)  # the object itself, as raised
     assert failed.error.message == "two weather lookups and still no answer"
     assert "in agent" in failed.error.traceback  # the node that raised
     assert failed.reward == -2.0 and failed.metrics == {"errored": True}

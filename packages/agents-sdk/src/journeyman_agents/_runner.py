@@ -9,9 +9,14 @@ Per run:
   concurrent runs (separate asyncio tasks) never share calls.
 - The run's trace is watched by the `SpanCollector` trace processor, which says which agent made
   each call. Calls and spans are joined per request into the trajectory (`_build`).
-- A run that raises (`MaxTurnsExceeded`, a guardrail tripwire, `ModelBehaviorError`) is still a
-  trajectory of the calls made before the error, with `error` set, under `on_error="score"` (the
-  default; `journeyman.adapters.Episode`). The SDK's `UserError` (a misconfigured agent) always re-raises.
+- A run that raises (`MaxTurnsExceeded`, an output guardrail's tripwire, `ModelBehaviorError`) is
+  still a trajectory of the calls made before the error, with `error` set and the exception object
+  itself on `error.exception`, under `on_error="score"` (the default; `journeyman.adapters.Episode`).
+  The SDK's `UserError` (a misconfigured agent) always re-raises.
+- An input guardrail's tripwire refuses the input, not an answer: the SDK cancels or discards the
+  first turn it interrupts, and whether that turn's call had reached the endpoint (guardrails run in
+  parallel with it by default) is timing. Its calls are never kept, so such a run left nothing to
+  train and re-raises under "score" (as `Runner.run` does), with or without parallel guardrails.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections.abc import AsyncIterator, Collection
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from agents import Agent, RunConfig, Runner
-from agents.exceptions import UserError
+from agents.exceptions import InputGuardrailTripwireTriggered, UserError
 from agents.result import RunResult, RunResultStreaming
 from agents.stream_events import StreamEvent
 from agents.tracing import gen_trace_id, get_current_trace
@@ -39,8 +44,13 @@ if TYPE_CHECKING:
 class AgentRun(NamedTuple):
     """What `TrainableRunner.run` returns: the SDK's result and the run's trajectory.
 
-    `result` is None when the run raised and was kept (`on_error="score"`): `trajectory.error`
-    (also `error` here) says what it raised, and `trajectory` holds the calls made before.
+    `result` is None when the run raised and was kept (`on_error="score"`): `trajectory` holds the
+    calls made before, `error` (`trajectory.error`) says what it raised, and `exception` is the
+    exception object itself, for what the SDK's examples do in an `except` clause:
+
+    >>> run = await runner.run(agent, "Hello, can you help me solve for x: 2x + 3 = 11?")
+    >>> if isinstance(run.exception, OutputGuardrailTripwireTriggered):
+    ...     print(run.exception.guardrail_result.output.output_info)
     """
 
     result: RunResult | None
@@ -49,6 +59,11 @@ class AgentRun(NamedTuple):
     @property
     def error(self) -> RolloutException | None:
         return self.trajectory.error
+
+    @property
+    def exception(self) -> BaseException | None:
+        """What the run raised, as raised (None when it returned; in this process only)."""
+        return self.trajectory.error.exception if self.trajectory.error is not None else None
 
 
 class StreamedAgentRun:
@@ -104,11 +119,14 @@ class TrainableRunner:
     agents whose calls are trained (default: all served by `model`); the others' calls are kept as
     untrainable additional histories.
 
-    A run that raises (turn limit, guardrail tripwire, model behaviour error) follows `on_error`:
-    `"score"` (default) returns `AgentRun(None, trajectory)`, the trajectory holding the calls made
-    before the error, `error` set and reward `error_reward` (a number or a function of the
-    trajectory); `"drop"` raises `RolloutDroppedError` (a group counts it as dropped); `"raise"`
-    re-raises. Service failures and the SDK's `UserError` always re-raise (`journeyman.adapters.Episode`).
+    A run that raises (turn limit, output guardrail tripwire, model behaviour error) follows
+    `on_error`: `"score"` (default) returns `AgentRun(None, trajectory)`, the trajectory holding the
+    calls made before the error, `error` set, the exception object on `AgentRun.exception`, reward
+    `error_reward` (a number or a function of the trajectory); `"drop"` raises `RolloutDroppedError`
+    (a group counts it as dropped); `"raise"` re-raises. A run that left no call to train re-raises
+    under "score" too, and an input guardrail's tripwire always leaves none (the SDK discards the
+    turn it interrupts, so its call never counts, however the timing fell). Service failures and
+    the SDK's `UserError` always re-raise (`journeyman.adapters.Episode`).
     """
 
     def __init__(
@@ -142,7 +160,9 @@ class TrainableRunner:
         self, episode: Episode, trace_id: str, result: RunResult | RunResultStreaming | None
     ) -> Trajectory:
         """The run's trajectory; for a run that raised, settled by `on_error` (may raise)."""
-        calls = [c.call for c in await episode.calls()]
+        calls = [c.call for c in await episode.calls()]  # popped in any case: nothing stays filed
+        if isinstance(episode.error, InputGuardrailTripwireTriggered):
+            calls = []  # the interrupted first turn: filed or not by the time it tripped is timing
         trajectory = fill_trajectory(episode, calls, self._collector.release(trace_id), self.trained_agents)
         trajectory.metadata["trace_id"] = trace_id
         error = episode.error

@@ -9,11 +9,18 @@ key that identifies the call on the endpoint side:
   `assistant_key`. Streaming spans hold a Responses-shaped dump, read the same way.
 Spans without data (`trace_include_sensitive_data=False`) still give the agent; the join then
 falls back to call order.
+
+Tracing stays on for the runs we serve (the join needs it), so without an OpenAI key the SDK's
+default exporter logs "OPENAI_API_KEY is not set, skipping trace export" for them, a notice about
+a service those runs never used. `_ExportNotice` drops it unless a trace of the user's own (not a
+wrapped run's, with no key of its own) started since the last one: their notice still shows, and
+nothing of the user's tracing setup (processors, exporter, keys) is changed.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +76,7 @@ class SpanCollector(TracingProcessor):
         self._watched: dict[str, int] = {}
         self._spans: dict[str, list[SpanInfo]] = {}
         self._order = itertools.count()
+        self._user_trace_unkeyed = False  # a key-less trace of the user's own since the last notice
 
     def watch(self, trace_id: str) -> None:
         with self._lock:
@@ -88,7 +96,16 @@ class SpanCollector(TracingProcessor):
             return spans
 
     def on_trace_start(self, trace: Trace) -> None:
-        pass
+        if trace.tracing_api_key is None:
+            with self._lock:
+                if trace.trace_id not in self._watched:
+                    self._user_trace_unkeyed = True
+
+    def take_user_trace_unkeyed(self) -> bool:
+        """Whether a key-less trace of the user's own started since the last call."""
+        with self._lock:
+            seen, self._user_trace_unkeyed = self._user_trace_unkeyed, False
+            return seen
 
     def on_trace_end(self, trace: Trace) -> None:
         pass
@@ -144,15 +161,32 @@ def agent_of(span: SpanInfo, spans: list[SpanInfo]) -> str | None:
     return None
 
 
+EXPORT_NOTICE = "OPENAI_API_KEY is not set, skipping trace export"
+"""What the SDK's default exporter logs (`openai.agents`) for a batch it cannot send."""
+
+
+class _ExportNotice(logging.Filter):
+    """Keeps `EXPORT_NOTICE` only when it may concern a trace of the user's own (see module doc)."""
+
+    def __init__(self, spans: SpanCollector) -> None:
+        super().__init__()
+        self.spans = spans
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != EXPORT_NOTICE or self.spans.take_user_trace_unkeyed()
+
+
 _collector: SpanCollector | None = None
 _collector_lock = threading.Lock()
 
 
 def collector() -> SpanCollector:
-    """The process-wide collector, added to the SDK's processors on first use."""
+    """The process-wide collector, added to the SDK's processors (and its notice filter to the SDK's
+    logger) on first use."""
     global _collector
     with _collector_lock:
         if _collector is None:
             _collector = SpanCollector()
             add_trace_processor(_collector)
+            logging.getLogger("openai.agents").addFilter(_ExportNotice(_collector))
         return _collector

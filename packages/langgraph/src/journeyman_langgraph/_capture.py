@@ -16,6 +16,7 @@ threads and tasks that run nodes, so concurrent episodes never see each other's 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -94,11 +95,23 @@ def current_episode() -> GraphEpisode | None:
     return _episode.get()
 
 
+def node_path(metadata: Mapping[str, Any]) -> str | None:
+    """The LangGraph node of a run's metadata, under the subgraph nodes it runs in ("team/agent"):
+    two subgraphs' "agent" nodes are told apart. LangGraph's checkpoint namespace names each level
+    as "<node>:<task id>", joined by "|" (`langgraph_checkpoint_ns`, beside `langgraph_node`)."""
+    node = metadata.get("langgraph_node")
+    if not isinstance(node, str):
+        return None
+    ns = metadata.get("langgraph_checkpoint_ns")
+    if not isinstance(ns, str) or not ns:
+        return node
+    return "/".join(part.split(":", 1)[0] for part in ns.split("|"))
+
+
 def current_node() -> str | None:
-    """The LangGraph node running in this context, from LangChain's runnable config."""
+    """The LangGraph node running in this context (`node_path`), from LangChain's runnable config."""
     config = var_child_runnable_config.get() or {}
-    node = (config.get("metadata") or {}).get("langgraph_node")
-    return node if isinstance(node, str) else None
+    return node_path(config.get("metadata") or {})
 
 
 class EpisodeHandler(BaseCallbackHandler):
@@ -142,13 +155,11 @@ class EpisodeHandler(BaseCallbackHandler):
         metadata: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        metadata = metadata or {}
         params = kwargs.get("invocation_params") or {}
-        node = metadata.get("langgraph_node")
         run = LLMRun(
             run_id=run_id,
             episode=self.episode,
-            node=node if isinstance(node, str) else None,
+            node=node_path(metadata or {}),
             trainable=TRAINABLE_TAG in (tags or []) or _trainable_scope.get(),
             model_name=params.get("model") or params.get("model_name"),
         )

@@ -80,7 +80,7 @@ class _EpisodeScope:
             self._take_result(result)
         t = self.episode.trajectory  # keeps what the function put on current_trajectory()
         if not self.episode.join([c for _, c in calls]):  # one partition: calls join across nodes
-            t.log("no trainable LLM call was captured: mark the policy with `trainable` (node or chat model)")
+            t.log(self._nothing_captured())
         graph = self.graph
         for run in graph.runs.values():
             if run.trainable and run.requests == 0 and run.model_name == graph.model.name:
@@ -94,6 +94,15 @@ class _EpisodeScope:
         for line in t.logs:
             log.warning("%s: %s", self.name, line)
         return t
+
+    def _nothing_captured(self) -> str:
+        """Why the episode has no trained call: advice to mark the policy only if nothing was marked."""
+        graph = self.graph
+        if not graph.runs and not graph.untrained_calls:
+            return "the episode made no LLM call: nothing to train"
+        if any(run.trainable for run in graph.runs.values()):
+            return "no trainable LLM call was captured"  # marked: the lines below say why, when known
+        return "no trainable LLM call was captured: mark the policy with `trainable` (node or chat model)"
 
     def _take_result(self, result: Any) -> None:
         t = self.episode.trajectory
@@ -161,10 +170,17 @@ def trajectory(
         traj = await rollout(scenario)
 
     An episode that raises (a node's exception, `GraphRecursionError`) follows `on_error`:
-    `"score"` (default) returns the trajectory of the calls made before the error, `error` set and
+    `"score"` (default) returns the trajectory of the calls made before the error, `error` set (the
+    exception object itself on `error.exception`, for `isinstance` checks and its attributes) and
     reward `error_reward` (a number, or a function of the trajectory); `"drop"` raises
-    `RolloutDroppedError` (a group counts it as dropped); `"raise"` re-raises the exception.
-    Service failures (endpoint unreachable, 5xx, timeouts) always re-raise (`journeyman.adapters.Episode`).
+    `RolloutDroppedError` (a group counts it as dropped); `"raise"` re-raises the exception. An
+    episode that raised before any policy call left nothing to train and re-raises under "score"
+    too. Service failures (endpoint unreachable, 5xx, timeouts) always re-raise
+    (`journeyman.adapters.Episode`).
+
+        t = await rollout(scenario)
+        if t.error is not None and isinstance(t.error.exception, GraphRecursionError):
+            ...  # the run hit its step limit: its calls are on `t`, scored `error_reward`
     """
     if not isinstance(model, TrainableModel):
         raise InvalidFieldError(

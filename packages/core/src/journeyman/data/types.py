@@ -116,6 +116,12 @@ class RolloutException(BaseModel):
         record has been through JSON (a run file, the wire)."""
         return self._exception
 
+    def __eq__(self, other: object) -> bool:
+        # the record, not the live object: a copy read back from JSON equals the original
+        if not isinstance(other, RolloutException):
+            return NotImplemented
+        return (self.type, self.message, self.traceback) == (other.type, other.message, other.traceback)
+
     @classmethod
     def from_exception(cls, e: BaseException) -> RolloutException:
         out = cls(type=type(e).__name__, message=str(e), traceback="".join(traceback.format_exception(e)))
