@@ -452,3 +452,39 @@ async def test_episode_whose_node_raises_is_a_trajectory_and_trains(
         await raising()
     with pytest.raises(jm.InvalidFieldError, match="on_error"):
         trajectory(model, on_error="ignore")  # type: ignore[arg-type]
+
+
+class _Chat(TypedDict):
+    messages: Annotated[list[AnyMessage], add_messages]
+
+
+async def test_messages_mode_streams_tokens_as_they_are_sampled(served: Any, chat_format: ChatFormat) -> None:
+    """`stream_mode="messages"` gets the answer in many chunks as the engine samples it (issue 36),
+    and the episode still records the exact ids whose text the chunks add up to."""
+    model, _ = served
+    llm = trainable(chat_model(model, max_tokens=40, temperature=0.0))
+
+    async def agent(state: _Chat) -> dict[str, Any]:
+        return {"messages": [await llm.ainvoke(state["messages"])]}
+
+    g = StateGraph(_Chat)
+    g.add_node("agent", agent)
+    g.add_edge(START, "agent")
+    g.add_edge("agent", END)
+    graph = g.compile()
+    chunks: list[str] = []
+
+    @trajectory(model)
+    async def rollout() -> float:
+        inputs = {"messages": [("user", "Tell me a story about a dog.")]}
+        async for message, _ in graph.astream(inputs, stream_mode="messages"):
+            if isinstance(message.content, str) and message.content:
+                chunks.append(message.content)
+        return 1.0
+
+    t = await rollout()
+    (rec,) = t.records()
+    assert len(chunks) > 1, chunks
+    assert (
+        "".join(chunks) == chat_format.parse(chat_format.completion_text(rec.token_ids), tools=False).content
+    )
