@@ -23,18 +23,23 @@ from agents import (
     OutputGuardrailTripwireTriggered,
     RunConfig,
     RunHooks,
+    Runner,
     function_tool,
     handoff,
     input_guardrail,
     output_guardrail,
 )
 from agents.items import ToolCallItem
+from agents.run import get_default_agent_runner
 from agents.tracing import Span, Trace, TracingProcessor, add_trace_processor, flush_traces, trace
 from agents.tracing.processors import default_exporter
 from journeyman import History, TokenRecord, Trajectory
 from journeyman.serving.responses_api import chat_messages
 from journeyman_agents import TrainableRunner
+from journeyman_agents._nested import ServingRunner
 from journeyman_agents._tracing import EXPORT_NOTICE, _key_from_output
+from openai import OpenAIError
+from pydantic import BaseModel
 
 pytestmark = pytest.mark.integration
 APIS = ["responses", "chat_completions"]
@@ -412,3 +417,79 @@ async def test_no_trace_export_notice_for_served_runs(
             pass
         flush_traces()
         assert caplog.messages.count(EXPORT_NOTICE) == 1
+
+
+class _MathHomework(BaseModel):
+    is_math_homework: bool
+    reasoning: str
+
+
+# The SDK's agent-based input guardrail (docs/guardrails.md), as written there: it runs an agent of
+# its own with `Runner.run`, given no run_config and so no model provider.
+_guardrail_agent = Agent(
+    name="Guardrail check",
+    instructions="Check if the user is asking you to do their math homework.",
+    output_type=_MathHomework,
+)
+
+
+@input_guardrail
+async def _math_guardrail(ctx: Any, agent: Agent[Any], input: Any) -> GuardrailFunctionOutput:
+    result = await Runner.run(_guardrail_agent, input, context=ctx.context)
+    return GuardrailFunctionOutput(
+        output_info=result.final_output, tripwire_triggered=result.final_output.is_math_homework
+    )
+
+
+@input_guardrail
+async def _math_guardrail_streamed(ctx: Any, agent: Agent[Any], input: Any) -> GuardrailFunctionOutput:
+    result = Runner.run_streamed(_guardrail_agent, input, context=ctx.context)
+    async for _ in result.stream_events():
+        pass
+    return GuardrailFunctionOutput(
+        output_info=result.final_output, tripwire_triggered=result.final_output.is_math_homework
+    )
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_runs_nested_in_a_guardrail_are_served_and_recorded(
+    scripted: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, streamed: bool
+) -> None:
+    model, backend = scripted
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)  # served by the trained model, or not at all
+    verdict = '{"is_math_homework": false, "reasoning": "geography"}'
+    backend.engine(model).script = lambda call: verdict if call.params.json_schema else "Paris."
+    guardrail = _math_guardrail_streamed if streamed else _math_guardrail
+    agent = Agent(name="Tutor", instructions="Help with homework.", input_guardrails=[guardrail])
+    runner = TrainableRunner(model)
+    question = "What is the capital of France?"
+
+    async def trained() -> Trajectory:
+        if not streamed:
+            result, trajectory = await runner.run(agent, question)
+            assert result is not None and result.final_output == "Paris."
+            return trajectory
+        run = runner.run_streamed(agent, question)
+        async for _ in run.stream_events():
+            pass
+        assert run.result.final_output == "Paris."
+        return await run.trajectory()
+
+    # a plain run beside it, in a task of its own started once the trained run wrapped the SDK's
+    # default runner: it goes through the wrapper but is not inside the trained run, so it keeps the
+    # SDK's default provider (OpenAI, with no key here: "Missing credentials"), as before. Untraced:
+    # its trace would be the user's own, and the SDK's exporter would say at exit it had no key.
+    plain_run = Runner.run(_guardrail_agent, question, run_config=RunConfig(tracing_disabled=True))
+    traj, plain = await asyncio.gather(trained(), plain_run, return_exceptions=True)
+    assert isinstance(get_default_agent_runner(), ServingRunner)
+    assert isinstance(plain, OpenAIError) and "api_key" in str(plain)
+    assert isinstance(traj, Trajectory) and traj.error is None
+    # the guardrail agent's call is the run's too, as a history of its own beside the tutor's
+    assert sorted(traj.metadata["agents"]) == ["Guardrail check", "Tutor"]
+    histories = dict(zip(traj.metadata["agents"], [traj, *traj.additional_histories], strict=True))
+    for name, text in [("Guardrail check", verdict), ("Tutor", "Paris.")]:
+        (record,) = histories[name].records()  # the ids the engine sampled, read back as the SDK's answer
+        assert backend.chat_format.tokenizer.decode(record.token_ids, skip_special_tokens=True) == text
+        assert histories[name].messages()[-1]["content"] == text and histories[name].trainable
+    assert histories["Guardrail check"].messages()[0]["content"].startswith("Check if the user")
+    assert traj.metrics["llm_calls"] == 2

@@ -4,6 +4,10 @@ Per run:
 - `RunConfig.model_provider` becomes a `JourneymanModelProvider`, so every agent whose model is a
   name (or unset) is served by the trainable model; agents, tools, handoffs, MCP servers,
   guardrails and the user's hooks and trace processors are left as they are.
+- Runs started inside the run (a guardrail's own agent, a hook's or a tool's `Runner.run` /
+  `Runner.run_streamed`) are served by the same provider and are part of the run: their calls are
+  captured with the run's and each of their agents gets a history of its own, as an agent-as-tool's
+  does (`_nested`). Runs elsewhere in the process are left as they are.
 - The run is an `Episode` (`journeyman.adapters`): the endpoint files each call it serves for this
   run (with its exact token records) under the run's capture id. The id lives in a ContextVar, so
   concurrent runs (separate asyncio tasks) never share calls.
@@ -15,8 +19,10 @@ Per run:
   The SDK's `UserError` (a misconfigured agent) always re-raises.
 - An input guardrail's tripwire refuses the input, not an answer: the SDK cancels or discards the
   first turn it interrupts, and whether that turn's call had reached the endpoint (guardrails run in
-  parallel with it by default) is timing. Its calls are never kept, so such a run left nothing to
-  train and re-raises under "score" (as `Runner.run` does), with or without parallel guardrails.
+  parallel with it by default) is timing. Its calls are never kept, nor those of the runs nested in
+  it (the guardrail agent's own verdict included), so such a run left nothing to train and re-raises
+  under "score" (as `Runner.run` does), with or without parallel guardrails. A run that raised
+  otherwise (an output guardrail's tripwire) keeps its nested runs' calls with the rest.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from journeyman import RolloutException
 from journeyman.adapters import Episode, ErrorReward, OnError, check_on_error
 
 from ._build import fill_trajectory
+from ._nested import serving
 from ._provider import JourneymanModelProvider, ModelAPI
 from ._tracing import collector
 
@@ -190,7 +197,8 @@ class TrainableRunner:
         episode = self._episode()
         result: RunResult | None = None
         try:
-            with episode.running():  # an Exception is kept: settled below, with the calls before it
+            # an Exception is kept: settled below, with the calls before it
+            with episode.running(), serving(self.provider):
                 result = await Runner.run(starting_agent, input, run_config=config, **kwargs)
         except BaseException:  # cancelled or interrupted: free what the endpoint filed
             await episode.discard()
@@ -205,7 +213,8 @@ class TrainableRunner:
         config, trace_id = self._config(run_config)
         self._collector.watch(trace_id)
         episode = self._episode()
-        # The SDK starts the run loop as a task here; the task copies this context, capture id included.
-        with episode.capture():
+        # The SDK starts the run loop as a task here; the task copies this context: the capture id,
+        # and the provider runs nested in it are served by.
+        with episode.capture(), serving(self.provider):
             result = Runner.run_streamed(starting_agent, input, run_config=config, **kwargs)
         return StreamedAgentRun(self, result, episode, trace_id)
