@@ -69,6 +69,11 @@ READER_NAMES: dict[tuple[str, str], set[str]] = {
     # the on_error policies side by side: alternatives, not a program
     ("packages/langgraph/README.md", 'strict = trajectory(model, on_error="raise")'): set(),
     ("packages/agents-sdk/README.md", 'TrainableRunner(model, on_error="raise")'): set(),
+    # the SDK's guardrail example on a kept run: its agent and runner are the first block's
+    (
+        "packages/agents-sdk/README.md",
+        "if isinstance(run.exception, OutputGuardrailTripwireTriggered)",
+    ): set(),
     ("docs/ruler.md", "rollout(model, s)"): {"rollout", "model", "scenarios"},
     # also asks a judge server on 127.0.0.1:8000
     ("docs/ruler.md", "rubric=MY_RUBRIC"): {"MY_RUBRIC"},
