@@ -32,33 +32,31 @@ if TYPE_CHECKING:
 # (`--no-loadscope-reorder`), so the two workers finish together: by test count, the one-test soak
 # and learning files came last and one worker ran them alone for 200 s while the other sat idle.
 # Files not listed follow in collection order.
-FILE_SECONDS = {
-    "packages/core/tests/test_vllm.py": 481,
-    "packages/mcp/tests/test_mcp_rl.py": 276,
-    "tests/test_examples.py": 251,
-    "tests/test_soak.py": 149,
-    "packages/core/tests/test_distributed.py": 83,
-    "packages/mcp/tests/test_win_rate.py": 79,
-    "packages/core/tests/test_learning.py": 72,
-    "packages/core/tests/test_endpoint.py": 58,
-    "tests/test_light_client.py": 35,  # measured 2026-11-26 (this machine, fresh clone)
-    # estimates from single-file runs on a loaded machine (2026-11-26), until a fresh-clone run measures them
-    "packages/core/tests/test_sharded.py": 90,
-    "tests/test_gpu_check.py": 70,
-    "packages/core/tests/test_vllm_handoff.py": 60,
-    "packages/core/tests/test_plan.py": 30,
-    "packages/core/tests/test_long_rows.py": 20,
-    "packages/core/tests/test_engine_kv.py": 50,  # 44 s alone on an idle machine (2026-11-26)
-    "packages/core/tests/test_backend_contract.py": 55,  # measured 2026-11-26 (this machine, fresh clone)
-    "packages/agents-sdk/tests/test_agents_sdk.py": 54,
-    "packages/core/tests/test_remote.py": 50,
-    "packages/core/tests/test_families.py": 41,
-    "packages/langgraph/tests/test_langgraph.py": 40,
-    "packages/core/tests/test_fuzz.py": 32,
-    "packages/core/tests/test_train.py": 27,
-    "packages/core/tests/test_ruler_local.py": 23,
-    "tests/test_remote_adapters.py": 23,
-    "tests/test_front_doors.py": 40,  # 27 s of calls alone on a loaded machine (2026-11-26)
+FILE_SECONDS = {  # in-suite seconds (calls and setups), from a fresh-clone run on this machine, 2026-11-26
+    "packages/core/tests/test_vllm.py": 437,
+    "packages/mcp/tests/test_mcp_rl.py": 337,
+    "tests/test_examples.py": 275,
+    "tests/test_soak.py": 218,
+    "packages/mcp/tests/test_win_rate.py": 127,
+    "packages/core/tests/test_learning.py": 125,
+    "packages/core/tests/test_distributed.py": 103,
+    "packages/agents-sdk/tests/test_agents_sdk.py": 98,
+    "packages/core/tests/test_remote.py": 70,
+    "packages/langgraph/tests/test_langgraph.py": 62,
+    "packages/core/tests/test_endpoint.py": 60,
+    "packages/core/tests/test_engine_kv.py": 51,
+    "packages/core/tests/test_families.py": 46,
+    "packages/core/tests/test_fuzz.py": 45,
+    "packages/core/tests/test_ruler_local.py": 34,
+    "packages/core/tests/test_train.py": 31,
+    "tests/test_gpu_check.py": 31,
+    "tests/test_light_client.py": 28,
+    "packages/core/tests/test_constrained_decoding.py": 28,
+    "tests/test_remote_adapters.py": 26,
+    "packages/core/tests/test_backend_contract.py": 25,
+    "tests/test_front_doors.py": 24,
+    "packages/core/tests/test_server_security.py": 16,
+    "packages/core/tests/test_sharded.py": 12,
 }
 
 
