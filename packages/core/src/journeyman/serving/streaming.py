@@ -47,9 +47,6 @@ class TextDeltas:
         self._dirty: set[int] = set()
         self._loop = asyncio.get_running_loop()
 
-    def sent(self, index: int) -> str:
-        return self._sent.get(index, "")
-
     def on_token(self, index: int, token: int) -> None:
         """The engine's callback, from its own thread."""
         self._loop.call_soon_threadsafe(self._add, index, token)
