@@ -19,6 +19,7 @@ from journeyman.client.operations import LOG, TRAIN, TRAIN_SFT
 from journeyman.client.protocol import Inference, Progress, named_or_latest
 from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainerConfig, TrainResult, check_name
 from journeyman.data.paths import RunLayout
+from journeyman.data.provenance import staleness_metrics
 from journeyman.data.trajectory_file import check_trajectories
 from journeyman.data.types import History, Trajectory, TrajectoryGroup
 from journeyman.errors import CheckpointError, InvalidFieldError, UnknownModelError
@@ -165,8 +166,13 @@ class _Service:
             ckpt = self.store.checkpoint_dir(step)
             self.policy.load(ckpt)
             self.trainer.load_optimizer(ckpt)
+        self.policy.step = step
         if self.ranks is not None:
             self.ranks.sync()
+
+    def updated(self, step: int) -> None:
+        """Label the weights as `step`, on the thread that just changed them (see `LoraPolicy.step`)."""
+        self.policy.step = step
 
 
 # What differs between a GRPO step and an SFT step (`LocalBackend._step` runs the rest of a step's
@@ -184,8 +190,16 @@ class _GRPOUpdate:
         self, s: _Service, step: int, on_progress: Progress | None
     ) -> tuple[bool, dict[str, float]]:
         train = s.ranks.step if s.ranks is not None else s.trainer.step
+
+        def update() -> tuple[bool, dict[str, float]]:
+            updated, metrics = train(self.groups, self.config, on_progress)
+            if updated:
+                s.updated(step + 1)
+            return updated, metrics
+
         # on the engine's thread, not a pool thread (`Engine.call`: one OpenMP team per process)
-        updated, metrics = await s.engine.call(train, self.groups, self.config, on_progress)
+        updated, metrics = await s.engine.call(update)
+        metrics.update(staleness_metrics(self.groups, step))
         if not updated:
             log.warning(
                 "step %d skipped: none of the %d groups has rewards that differ (nothing to learn from)",
@@ -213,8 +227,14 @@ class _SFTUpdate:
             raise InvalidFieldError(
                 "trainer.shard_base", True, "SFT runs on rank 0 alone and needs the whole base there"
             )
+
+        def update() -> dict[str, float]:
+            metrics = s.sft_trainer().train(self.rows, self.config, on_progress)
+            s.updated(step + 1)
+            return metrics
+
         try:
-            return True, await s.engine.call(s.sft_trainer().train, self.rows, self.config, on_progress)
+            return True, await s.engine.call(update)
         except BaseException:
             # earlier optimizer steps of the call changed the adapter: back to the last checkpoint
             await s.engine.call(s.restore, step)

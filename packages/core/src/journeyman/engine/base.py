@@ -124,6 +124,8 @@ class Sample:
     finish_reason: FinishReason
     text: str
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # the policy step whose weights sampled this (None: the engine's current `step`)
+    step: int | None = None
 
 
 # Called with (completion index, token id) as a streaming engine samples each token.

@@ -620,7 +620,9 @@ class BatchRunner(Generic[RequestT]):
         text = (
             row.text if row.text is not None else self.tokenizer.decode(row.tokens, skip_special_tokens=True)
         )
-        answer.samples[row.index] = Sample(row.tokens, row.logprobs, row.finish or "length", text, row.top)
+        answer.samples[row.index] = Sample(
+            row.tokens, row.logprobs, row.finish or "length", text, row.top, step=self.policy.step
+        )
         answer.left -= 1
         if answer.left == 0:
             step.answered.append((answer.job, [s for s in answer.samples if s is not None]))

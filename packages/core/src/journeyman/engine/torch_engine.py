@@ -75,8 +75,9 @@ class TorchEngine(Engine):
 
     async def load_adapter(self, path: Path, step: int) -> None:
         # The trainer updated these very weights in place (and a resume loads them into the policy
-        # before serving), so there is nothing to transfer: only the served step changes.
-        self.step = step
+        # before serving), so there is nothing to transfer: the served step changes, and the label
+        # the engine stamps on what it samples (set with the weights by a step; here for a resume)
+        self.step = self.policy.step = step
 
     def close(self) -> None:
         """Stop the worker; requests still queued fail with EngineDownError instead of waiting."""

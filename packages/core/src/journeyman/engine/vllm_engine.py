@@ -274,6 +274,10 @@ class VLLMEngine(Engine):
             value = params.json_schema if params.json_schema is not None else None
             raise InvalidFieldError(field, value, f"vLLM refused it: {e.message}") from None
         samples = [_sample(choice, params.top_logprobs) for choice in sorted(choices, key=_index)]
+        # the adapter this request named is the policy that sampled it, whatever loaded since
+        name = str(body["model"])
+        for s in samples:
+            s.step = int(name.rsplit("@", 1)[1]) if "@" in name else 0
         if params.json_schema is not None:
             await self._rescore(prompt_ids, samples, str(body.get("model") or self.served_model), params)
         self._served += 1

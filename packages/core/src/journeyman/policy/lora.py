@@ -123,6 +123,10 @@ class LoraPolicy:
         # Bumped whenever the adapter weights change (a step, a load): caches of activations
         # computed under older weights (the engine's shared-prefix KV) are stale after it.
         self.version = 0
+        # The training step these weights are (what the engine stamps on what they sample). Set on
+        # the thread that changes the weights, in the same call: a request served right after a
+        # step is labelled with the step that sampled it, not the one the endpoint announces later.
+        self.step = 0
         # The adapter is folded into the base weights while sampling (see `sampling`); a bf16 base
         # comes back bit-exact on unmerge (policy/merge.py).
         self.merge = AdapterMerge(self.model)

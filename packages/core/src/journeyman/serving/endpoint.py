@@ -398,7 +398,9 @@ class Endpoint:
     ) -> dict[str, Any]:
         req, params, prompt_ids = prepared.req, prepared.params, prepared.prompt_ids
         self.completions += 1
-        name = f"{self.model_name}@{self.engine.step}"
+        # each sample's own step where the engine stamped it: a step may have landed since
+        step = next((s.step for s in samples if s.step is not None), self.engine.step)
+        name = f"{self.model_name}@{step}"
         choices = []
         fmt = self.chat_format
         for i, s in enumerate(samples):
@@ -416,7 +418,7 @@ class Endpoint:
                 token_ids=s.token_ids,
                 logprobs=s.logprobs,
                 model=name,
-                step=self.engine.step,
+                step=s.step if s.step is not None else step,
                 finish_reason=finish,
                 spliced_turns=prepared.spliced,
             )

@@ -48,7 +48,18 @@ __all__ = [
 log = logging.getLogger("journeyman.training")
 
 # what each micro-batch adds up (loss.policy_loss's metrics and the logprob gap): the same keys on every rank
-METRIC_KEYS = frozenset({"policy_loss", "clip_fraction", "kl", "ratio_mean", "engine_trainer_logprob_gap"})
+METRIC_KEYS = frozenset(
+    {
+        "policy_loss",
+        "clip_fraction",
+        "kl",
+        "ratio_mean",
+        "engine_trainer_logprob_gap",
+        "is_weight_mean",
+        "is_weight_outside_2x",
+        "is_truncated",
+    }
+)
 
 
 def build_rows(
@@ -348,6 +359,16 @@ class GRPOTrainer:
         )
         (loss * weight).backward()
         with torch.no_grad():
-            gap = ((logp.detach() - rollout_lp).abs() * mask).sum() / max(num_tokens, 1)
+            denom = max(num_tokens, 1)
+            gap = ((logp.detach() - rollout_lp).abs() * mask).sum() / denom
+            # π_θ / π_behaviour per token: how far off-policy each sampled token is (an older
+            # step's rollout, or the engine's numerics), before any clip or truncation
+            is_weight = torch.exp((logp.detach() - rollout_lp).clamp(max=30.0))
+            far = ((is_weight > 2.0) | (is_weight < 0.5)).float()
+            cap = config.tis_cap
+            truncated = (is_weight > cap).float() if cap is not None else torch.zeros_like(far)
         metrics["engine_trainer_logprob_gap"] = float(gap)
+        metrics["is_weight_mean"] = float((is_weight * mask).sum() / denom)
+        metrics["is_weight_outside_2x"] = float((far * mask).sum() / denom)
+        metrics["is_truncated"] = float((truncated * mask).sum() / denom)
         return metrics
