@@ -56,6 +56,8 @@ READER_NAMES: dict[tuple[str, str], set[str]] = {
         "score",
         "scenarios",
     },
+    ("README.md", "jm.PipelineTrainer(model, step_rollout"): {"scenarios"},
+    ("docs/pipeline.md", "jm.PipelineTrainer(model, rollout"): {"model", "rollout", "scenarios", "held_out"},
     ("README.md", "from journeyman_langgraph import"): {"get_weather", "get_time", "score"},
     ("README.md", "from journeyman_agents import TrainableRunner"): {"score"},
     ("packages/langgraph/README.md", "async def rollout(scenario: Scenario)"): {

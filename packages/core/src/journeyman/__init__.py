@@ -12,6 +12,7 @@ from importlib import import_module as _import_module
 from typing import TYPE_CHECKING
 
 from journeyman.client.model import Capture, TrainableModel
+from journeyman.client.pipeline import PipelineConfig, PipelineResult, PipelineTrainer
 from journeyman.client.protocol import Backend, Inference, current_backend
 from journeyman.client.remote import RemoteBackend
 from journeyman.data.config import (
@@ -110,6 +111,9 @@ __all__ = [
     "ModelConfig",
     "NoTrainableTokensError",
     "OnError",
+    "PipelineConfig",
+    "PipelineResult",
+    "PipelineTrainer",
     "ProtocolMismatchError",
     "RemoteBackend",
     "RemoteError",

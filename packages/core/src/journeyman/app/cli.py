@@ -95,6 +95,10 @@ def demo(
         str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
     ] = None,
     token: Annotated[str | None, typer.Option(help="the server's token (default: $JOURNEYMAN_TOKEN)")] = None,
+    pipeline: Annotated[
+        bool,
+        typer.Option(help="train with the asynchronous PipelineTrainer: rollouts go on while a step trains"),
+    ] = False,
     *,
     train: dict[str, Any],
     trainer: dict[str, Any],
@@ -107,7 +111,7 @@ def demo(
     from journeyman.app.demo import run_demo
     from journeyman.backends.connect import open_backend
 
-    bar = tqdm(total=steps, desc="training", unit="step")
+    bar = tqdm(total=steps, desc="training", unit="step", disable=pipeline)  # the pipeline shows its own
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
         bar.set_postfix(
@@ -128,6 +132,7 @@ def demo(
             on_step=on_step,
             backend=open_backend(backend, token=token, path=path) if backend else None,
             world_size=world_size,
+            pipeline=pipeline,
         )
     )
     bar.close()

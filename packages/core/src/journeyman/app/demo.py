@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -15,10 +16,11 @@ from journeyman.app import tasks
 from journeyman.app.plot import plot_history
 from journeyman.backends.local import LocalBackend
 from journeyman.client.model import TrainableModel
+from journeyman.client.pipeline import PipelineConfig, PipelineTrainer
 from journeyman.client.protocol import Backend
 from journeyman.data.config import DEFAULT_BASE_MODEL, TrainConfig, TrainerConfig
 from journeyman.data.paths import RunLayout
-from journeyman.data.types import TrajectoryGroup
+from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.engine.vllm_server import VLLMConfig
 from journeyman.rollout.gather import gather_trajectory_groups
 
@@ -80,9 +82,12 @@ async def run_demo(
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     backend: Backend | None = None,
     world_size: int = 1,
+    pipeline: bool = False,
 ) -> DemoResult:
     """Evaluate, train, evaluate again; on `backend` (e.g. a `RemoteBackend`) when given, else on a
-    `LocalBackend` at `path` with `engine` and `world_size` trainer ranks that is closed at the end."""
+    `LocalBackend` at `path` with `engine` and `world_size` trainer ranks that is closed at the end.
+    `pipeline`: train with `PipelineTrainer` (rollouts go on while a step trains) instead of the
+    synchronous loop, on the same scenarios and settings."""
     require_backend("journeyman demo (its reward plot)", ("matplotlib",))  # before, not after, training
     own = backend is None
     backend = backend or LocalBackend(path=path, engine=engine, trainer=TrainerConfig(world_size=world_size))
@@ -95,7 +100,10 @@ async def run_demo(
         start = await model.get_step()
         train = tasks.scenarios("train", prompts_per_step * (start + steps), seed=1)
         config = TrainConfig(learning_rate=learning_rate)
-        for step in range(start, start + steps):
+        if pipeline:
+            scenarios = itertools.cycle(train[start * prompts_per_step :])
+            await _pipelined(model, scenarios, steps, prompts_per_step, group_size, config, max_tokens)
+        for step in range(start, start + steps) if not pipeline else ():
             batch = train[step * prompts_per_step : (step + 1) * prompts_per_step]
             groups = await gather_trajectory_groups(
                 (
@@ -122,6 +130,27 @@ async def run_demo(
     finally:
         if own:
             backend.close()
+
+
+async def _pipelined(
+    model: TrainableModel,
+    scenarios: Iterator[tasks.Scenario],
+    steps: int,
+    prompts_per_step: int,
+    group_size: int,
+    config: TrainConfig,
+    max_tokens: int,
+) -> None:
+    """The same training, with rollouts going on while each step trains (its own progress bar)."""
+    client = model.openai_client()
+
+    async def rollout(m: TrainableModel, scenario: tasks.Scenario) -> Trajectory:
+        return await tasks.rollout(m, client, scenario, max_tokens=max_tokens)
+
+    # the pipeline's off-policy weighting (tis_cap) with the demo's learning rate
+    train = PipelineConfig().train.model_copy(update={"learning_rate": config.learning_rate})
+    pipe = PipelineConfig(group_size=group_size, groups_per_step=prompts_per_step, train=train)
+    await PipelineTrainer(model, rollout, scenarios, pipe).train(steps)
 
 
 async def _log_eval(model: TrainableModel, groups: list[TrajectoryGroup], result: EvalResult) -> None:
