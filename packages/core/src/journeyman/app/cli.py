@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -168,6 +169,41 @@ def report(
     png = plot_history(history, output or RunLayout(run_dir).reward_plot, title=run_dir.name, metric=metric)
     steps = [r["step"] for r in history if "train/reward" in r]
     typer.echo(f"{len(steps)} training steps; plot: {png}")
+
+
+@app.command()
+def view(
+    run_dirs: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="run directories, or roots holding them (default: .journeyman)", show_default=False
+        ),
+    ] = None,
+    port: Annotated[int, typer.Option(help="port on 127.0.0.1 (0: any free port)")] = 7900,
+    open_browser: Annotated[
+        bool, typer.Option("--open/--no-open", help="open the page in a browser")
+    ] = False,
+) -> None:
+    """Browse runs in a web page on 127.0.0.1: curves, steps, groups, trajectories and their tokens;
+    a run that is training updates the page as it goes. Read-only."""
+    from journeyman.app.view.server import ViewerServer
+
+    paths = run_dirs or [Path(".journeyman")]
+    missing = [p for p in paths if not p.exists()]
+    if missing:
+        raise typer.BadParameter(f"no such directory: {missing[0]}", param_hint="RUN_DIRS")
+    try:
+        server = ViewerServer(paths, port=port)
+    except OSError as e:
+        typer.secho(f"journeyman view: cannot listen on 127.0.0.1:{port}: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"journeyman view: {server.url}  (Ctrl-C stops it)", err=True)
+    if open_browser:
+        import webbrowser
+
+        webbrowser.open(server.url)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.serve_forever()
 
 
 @app.command()
