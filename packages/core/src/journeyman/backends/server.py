@@ -51,6 +51,7 @@ from journeyman.errors import (
 )
 from journeyman.serving.guard import (
     DEFAULT_MAX_BODY_BYTES,
+    VIEW_PREFIX,
     Guard,
     HeaderTimeoutH11,
     json_error,
@@ -228,10 +229,32 @@ def create_app(
             )
         return await op.call(backend, arguments)
 
+    _add_viewer(app, backend.path)
     for op in OPERATIONS:
         _add_route(app, op, answer)
     _document_bodies(app)
     return app
+
+
+def _add_viewer(app: FastAPI, root: Path) -> None:
+    """The run viewer's pages and API under `/view/` (the same as `journeyman view` over `root`),
+    behind the server's tokens: a browser brings one as `/view/?token=...` once, then as a cookie."""
+    from fastapi.responses import RedirectResponse, Response
+
+    from journeyman.app.view.api import handle
+    from journeyman.app.view.runs import RunFiles
+
+    runs = RunFiles([root])
+
+    @app.get(VIEW_PREFIX, include_in_schema=False)
+    async def view_root() -> RedirectResponse:
+        return RedirectResponse(VIEW_PREFIX + "/", status_code=308)
+
+    @app.get(VIEW_PREFIX + "/{path:path}", include_in_schema=False)
+    async def view(path: str, request: Request) -> Response:
+        # a file read and JSON parsed on a worker thread: the event loop serves the models meanwhile
+        res = await asyncio.to_thread(handle, runs, path, request.url.query)
+        return Response(res.body, status_code=res.status, media_type=res.content_type, headers=res.headers)
 
 
 def _add_route(
