@@ -1,0 +1,232 @@
+"""The run viewer in a real browser: headless Chromium (Debian's `chromium`, driven by Playwright
+through its own executable, never a downloaded build) on a run this module trains.
+
+The run: a random-weight 2-layer Llama beside the embedded model's tokenizer, on a LocalBackend
+(the real engine, endpoint, grammar, trainer and run store, no 135M weights): each rollout makes a
+forced `add_task` call, gets the tool's answer (an error for an empty title), and answers. One step
+trains before the browser opens; a second trains while the page is open, and the page shows it
+without a reload. Screenshots of every page go to `<pytest tmp>/viewer-shots/` (printed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import journeyman as jm
+import pytest
+from journeyman.app.view.server import ViewerServer
+from journeyman.data.paths import cache_dir
+
+pytestmark = pytest.mark.timeout(900)  # setup included: a training run on a loaded 2-core machine
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add_task",
+            "description": "Add a task to the to-do list.",
+            "parameters": {
+                "type": "object",
+                "properties": {"title": {"type": "string", "maxLength": 6}},
+                "required": ["title"],
+            },
+        },
+    }
+]
+
+
+def _tiny_model_dir() -> Path:
+    """A random 2-layer Llama with the embedded model's tokenizer (cached per machine)."""
+    import torch
+    from journeyman.data.config import DEFAULT_BASE_MODEL
+    from journeyman.policy.weights import resolve_base_model
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = cache_dir() / "test-models" / "viewer-tiny"
+    if (out / ".complete").exists():
+        return out
+    tok = AutoTokenizer.from_pretrained(resolve_base_model(DEFAULT_BASE_MODEL))
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / ".complete").write_text("ok\n")
+    return out
+
+
+async def _rollout(model: jm.TrainableModel, task: str) -> jm.Trajectory:
+    client = model.openai_client()
+    traj = jm.Trajectory(
+        messages_and_choices=[
+            {"role": "system", "content": "You manage a to-do list."},
+            {"role": "user", "content": f"Add the task '{task}'."},
+        ],
+        tools=TOOLS,
+    )
+    first = await client.chat.completions.create(
+        model=model.name, messages=traj.messages(), tools=TOOLS, tool_choice="required", max_tokens=96
+    )
+    choice = first.choices[0]
+    traj.messages_and_choices.append(choice)
+    for call in choice.message.tool_calls or []:
+        title = str(json.loads(call.function.arguments).get("title", "")).strip()  # pyright: ignore[reportAttributeAccessIssue]
+        answer = f"Added '{title}'." if title else "Error: title must not be empty"
+        traj.messages_and_choices.append({"role": "tool", "tool_call_id": call.id, "content": answer})
+    second = await client.chat.completions.create(
+        model=model.name, messages=traj.messages(), tools=TOOLS, tool_choice="none", max_tokens=6
+    )
+    traj.messages_and_choices.append(second.choices[0])
+    called = " ".join(c.function.arguments for c in choice.message.tool_calls or [])  # pyright: ignore[reportAttributeAccessIssue]
+    answer_chars = len(second.choices[0].message.content or "")
+    traj.reward = round(len(called) / 100 + answer_chars / 1000, 4)  # random text: the rewards differ
+    return traj
+
+
+async def _train_step(model: jm.TrainableModel, step: int) -> None:
+    groups = [
+        jm.TrajectoryGroup(_rollout(model, task) for _ in range(2))
+        for task in (f"milk {step}", f"call mom {step}")
+    ]
+    gathered = await jm.gather_trajectory_groups(groups, pbar_desc=None)
+    await model.train(gathered, config=jm.TrainConfig(learning_rate=1e-3))
+
+
+class _Run:
+    """The trained run, its backend and an event loop on a thread (the second step trains on it
+    while the browser watches)."""
+
+    def __init__(self, root: Path) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.backend = jm.LocalBackend(path=root)
+        self.model = jm.TrainableModel(
+            name="tiny", project="viewer", base_model=str(_tiny_model_dir()), lora=jm.LoraConfig(r=4)
+        )
+        self.call(self.model.register(self.backend))
+        self.run_dir = Path(self.model.run_dir)
+
+    def call(self, coro: Any, timeout_s: float = 600) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.backend.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Run]:
+    run = _Run(tmp_path_factory.mktemp("viewer-runs"))
+    run.call(_train_step(run.model, 0))
+    yield run
+    run.close()
+
+
+def _first_groups(run_dir: Path) -> list[dict[str, Any]]:
+    return [
+        json.loads(x) for x in (run_dir / "trajectories" / "train" / "0000.jsonl").read_text().splitlines()
+    ]
+
+
+def test_viewer_in_chromium(trained: _Run, chromium: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    shots = tmp_path_factory.mktemp("viewer-shots")
+    groups = _first_groups(trained.run_dir)
+    # the best trajectory of group 0: the page sorts by reward, highest first
+    traj = max(groups[0]["trajectories"], key=lambda t: t["reward"])
+    call = traj["messages_and_choices"][2]["message"]["tool_calls"][0]["function"]
+    records = [m["journeyman"] for m in traj["messages_and_choices"] if "journeyman" in m]
+    sampled = sum(len(r["token_ids"]) for r in records)
+
+    server = ViewerServer([trained.run_dir.parents[2]]).start()
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url)
+            page.locator("#runs tbody tr", has_text="tiny").click()  # runs -> the run
+            expect(
+                page.locator(".chart[data-title=reward] polyline, .chart[data-title=reward] circle").first
+            ).to_be_visible()
+            page.screenshot(path=shots / "run.png", full_page=True)
+            expect(page.locator("#steps .step-row")).to_have_count(1)
+
+            # live: a second step trains while the page is open; its row appears without a reload
+            trained.call(_train_step(trained.model, 1))
+            expect(page.locator("#steps .step-row")).to_have_count(2, timeout=20_000)
+
+            page.locator("#steps .step-row", has_text="0").last.click()  # the run -> step 0
+            expect(page.locator(".group")).to_have_count(2)
+            page.screenshot(path=shots / "step.png", full_page=True)
+            page.locator(".group[data-group='0'] .traj-row").first.click()  # -> its best trajectory
+
+            expect(page.locator("#reward")).to_have_text(f"{traj['reward']:.4f}")
+            toolcall = page.locator(".toolcall").first
+            expect(toolcall.locator(".fn")).to_have_text(call["name"])
+            expect(toolcall.locator(".args")).to_contain_text(json.loads(call["arguments"])["title"])
+            expect(page.locator(".msg.tool")).to_have_count(1)
+            page.screenshot(path=shots / "trajectory.png", full_page=True)
+
+            page.click("#tab-tokens")
+            expect(page.locator(".tokens .trained")).to_have_count(sampled)
+            masked = page.locator(".tokens .masked").count()
+            assert masked > sampled  # system, user, tools and the tool's answer: all masked
+            assert "background" in (page.locator(".tokens .trained").first.get_attribute("style") or "")
+            page.screenshot(path=shots / "tokens.png", full_page=True)
+
+            page.click("text=group: best vs worst")
+            expect(page.locator(".compare .side")).to_have_count(2)
+            page.screenshot(path=shots / "compare.png", full_page=True)
+            assert not errors, errors
+            browser.close()
+    finally:
+        server.close()
+    print(f"viewer screenshots: {shots}")
+
+
+def test_viewer_behind_serve_token(trained: _Run, chromium: str) -> None:
+    """Under `journeyman serve` the same pages need a token of scope train: `?token=` once, then a cookie."""
+    from journeyman.backends.server import create_app
+    from journeyman.serving.endpoint import ServerThread
+    from journeyman.serving.guard import DEFAULT_MAX_BODY_BYTES, Guard
+    from journeyman.serving.tokens import TokenBook
+    from playwright.sync_api import expect, sync_playwright
+
+    book = TokenBook(
+        trained.run_dir.parents[2] / "viewer-tokens.json", admin_secret=secrets.token_urlsafe(16)
+    )
+    sample = book.add("agent", "sample")
+    thread = ServerThread(Guard(create_app(trained.backend, book), book, DEFAULT_MAX_BODY_BYTES))
+    url = f"http://127.0.0.1:{thread.port}/view/"
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            page = browser.new_page()
+            assert page.goto(url).status == 401  # pyright: ignore[reportOptionalMemberAccess]
+            assert page.goto(url + f"?token={sample}").status == 403  # pyright: ignore[reportOptionalMemberAccess]
+            page.goto(url + f"?token={book.add('reviewer', 'train')}")
+            assert "token=" not in page.url  # moved into an HttpOnly cookie
+            expect(page.locator("#runs tbody tr", has_text="tiny")).to_be_visible()
+            assert page.evaluate("document.cookie") == ""
+            browser.close()
+    finally:
+        thread.stop()
