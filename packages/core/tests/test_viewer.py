@@ -205,6 +205,7 @@ def test_viewer_in_chromium(trained: _Run, chromium: str, tmp_path_factory: pyte
 
 def test_viewer_behind_serve_token(trained: _Run, chromium: str) -> None:
     """Under `journeyman serve` the same pages need a token of scope train: `?token=` once, then a cookie."""
+    from journeyman.app.view.mount import add_viewer
     from journeyman.backends.server import create_app
     from journeyman.serving.endpoint import ServerThread
     from journeyman.serving.guard import DEFAULT_MAX_BODY_BYTES, Guard
@@ -215,7 +216,8 @@ def test_viewer_behind_serve_token(trained: _Run, chromium: str) -> None:
         trained.run_dir.parents[2] / "viewer-tokens.json", admin_secret=secrets.token_urlsafe(16)
     )
     sample = book.add("agent", "sample")
-    thread = ServerThread(Guard(create_app(trained.backend, book), book, DEFAULT_MAX_BODY_BYTES))
+    app = create_app(trained.backend, book, routes=lambda a: add_viewer(a, trained.backend.path))
+    thread = ServerThread(Guard(app, book, DEFAULT_MAX_BODY_BYTES))
     url = f"http://127.0.0.1:{thread.port}/view/"
     try:
         with sync_playwright() as p:

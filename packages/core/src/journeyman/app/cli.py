@@ -343,7 +343,8 @@ def serve(
     ] = None,
     ssl_keyfile: Annotated[Path | None, typer.Option(help="the certificate's private key (PEM)")] = None,
 ) -> None:
-    """Serve the Backend protocol and every model's OpenAI endpoint over HTTP, for `jm.RemoteBackend`.
+    """Serve the Backend protocol and every model's OpenAI endpoint over HTTP, for `jm.RemoteBackend`,
+    and the run viewer at /view/ (open /view/?token=T once in a browser; a token of scope train).
 
     Every request needs `Authorization: Bearer <token>`: $JOURNEYMAN_TOKEN (or a new one printed at
     start) is an admin token; `journeyman token add` makes named ones with narrower scopes."""
@@ -357,6 +358,7 @@ def serve(
     except ImportError as e:
         typer.secho(str(e), fg=typer.colors.RED, err=True)  # says the command and what to install
         raise typer.Exit(2) from None
+    from journeyman.app.view.mount import add_viewer
     from journeyman.backends.local import LocalBackend
     from journeyman.backends.server import serve as run
 
@@ -383,6 +385,7 @@ def serve(
         on_ready=ready,
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
+        routes=lambda app: add_viewer(app, path),  # the run viewer at /view/ (token of scope train)
     )
 
 

@@ -51,7 +51,6 @@ from journeyman.errors import (
 )
 from journeyman.serving.guard import (
     DEFAULT_MAX_BODY_BYTES,
-    VIEW_PREFIX,
     Guard,
     HeaderTimeoutH11,
     json_error,
@@ -135,9 +134,15 @@ class NewTokenBody(BaseModel):
 
 
 def create_app(
-    backend: ServedBackend, tokens: TokenBook | str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    backend: ServedBackend,
+    tokens: TokenBook | str,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    routes: Callable[[FastAPI], None] | None = None,
 ) -> FastAPI:
-    """The server's ASGI app (wrap it in `Guard` with the same tokens to serve it; `serve` does)."""
+    """The server's ASGI app (wrap it in `Guard` with the same tokens to serve it; `serve` does).
+
+    `routes` adds more of them, behind the same tokens (the CLI adds the run viewer's `/view/`)."""
     from journeyman.serving.endpoint import build_app
 
     book = token_book(tokens)
@@ -229,32 +234,12 @@ def create_app(
             )
         return await op.call(backend, arguments)
 
-    _add_viewer(app, backend.path)
+    if routes is not None:
+        routes(app)
     for op in OPERATIONS:
         _add_route(app, op, answer)
     _document_bodies(app)
     return app
-
-
-def _add_viewer(app: FastAPI, root: Path) -> None:
-    """The run viewer's pages and API under `/view/` (the same as `journeyman view` over `root`),
-    behind the server's tokens: a browser brings one as `/view/?token=...` once, then as a cookie."""
-    from fastapi.responses import RedirectResponse, Response
-
-    from journeyman.app.view.api import handle
-    from journeyman.app.view.runs import RunFiles
-
-    runs = RunFiles([root])
-
-    @app.get(VIEW_PREFIX, include_in_schema=False)
-    async def view_root() -> RedirectResponse:
-        return RedirectResponse(VIEW_PREFIX + "/", status_code=308)
-
-    @app.get(VIEW_PREFIX + "/{path:path}", include_in_schema=False)
-    async def view(path: str, request: Request) -> Response:
-        # a file read and JSON parsed on a worker thread: the event loop serves the models meanwhile
-        res = await asyncio.to_thread(handle, runs, path, request.url.query)
-        return Response(res.body, status_code=res.status, media_type=res.content_type, headers=res.headers)
 
 
 def _add_route(
@@ -384,6 +369,7 @@ def serve(
     on_ready: Callable[[str], None] | None = None,
     ssl_certfile: str | Path | None = None,
     ssl_keyfile: str | Path | None = None,
+    routes: Callable[[FastAPI], None] | None = None,
 ) -> None:
     """Serve until interrupted (uvicorn, this thread); models registered before a restart are
     registered again by their clients and resume from the run directory.
@@ -395,7 +381,7 @@ def serve(
     if (ssl_certfile is None) != (ssl_keyfile is None):
         raise InvalidFieldError("ssl_keyfile", ssl_keyfile, "TLS needs both a certificate and its key")
     book = TokenBook(RunRoot(backend.path).tokens, admin_secret=token)
-    app = Guard(create_app(backend, book, max_body_bytes=max_body_bytes), book, max_body_bytes)
+    app = Guard(create_app(backend, book, max_body_bytes=max_body_bytes, routes=routes), book, max_body_bytes)
     config = uvicorn.Config(
         app,
         host=host,
