@@ -209,9 +209,10 @@ function chart(title, data) {
     root.append(svg("line", { x1: L, x2: W - R, y1: y, y2: y, stroke: "#eceef1" }));
     const t = svg("text", { x: L - 4, y: y + 3, "text-anchor": "end", "font-size": 9, fill: "#6b7078" }); t.textContent = fmt(yv, 3); root.append(t);
   }
-  for (let i = 0; i <= 5; i++) {
-    const xv = x0 + ((x1 - x0) * i) / 5;
-    const t = svg("text", { x: sx(xv), y: H - 6, "text-anchor": "middle", "font-size": 9, fill: "#6b7078" }); t.textContent = fmt(Math.round(xv * 10) / 10); root.append(t);
+  // steps are integers: ticks on whole steps, about six of them
+  const every = Math.max(1, Math.ceil((x1 - x0) / 6));
+  for (let xv = Math.ceil(x0 / every) * every; xv <= x1; xv += every) {
+    const t = svg("text", { x: sx(xv), y: H - 6, "text-anchor": "middle", "font-size": 9, fill: "#6b7078" }); t.textContent = String(xv); root.append(t);
   }
   const g = svg("g", { "clip-path": `url(#${clip})` });
   for (const s of data) {
@@ -372,7 +373,7 @@ async function pageCompare(route) {
   const pick = (side, cur) => h("select", { onchange: (e) => (location.hash = link.compare(route.run, route.split, route.file, g.index, side === "a" ? +e.target.value : a, side === "b" ? +e.target.value : b)) },
     g.trajectories.map((t) => h("option", { value: t.index, selected: t.index === cur }, `#${t.index} reward ${fmt(t.reward)}`)));
   const column = (t, side) => h("div", { class: "side", "data-side": side },
-    h("div", { class: "row" }, pick(side, t.index), h("b", {}, `reward ${fmt(t.reward, 4)}`), signed(t.advantage), h("a", { href: link.traj(route.run, route.split, route.file, g.index, t.index) }, "open")),
+    h("div", { class: "row" }, pick(side, t.index), h("b", {}, `reward ${fmt(t.reward, 4)}`), h("span", {}, "advantage ", signed(t.advantage)), h("a", { href: link.traj(route.run, route.split, route.file, g.index, t.index) }, "open")),
     t.ruler_explanation ? h("div", { class: "card" }, h("b", {}, "RULER "), t.ruler_explanation) : null, conversation(t));
   return h("div", {}, h("h1", {}, `Group ${g.index}: best vs worst`, " ", h("span", { class: "muted" }, g.prompt)), h("div", { class: "compare" }, column(ta, "a"), column(tb, "b")));
 }
