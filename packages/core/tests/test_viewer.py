@@ -144,6 +144,61 @@ def _first_groups(run_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
+def _get(url: str, host: str | None = None) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Host": host} if host else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read()) if "json" in r.headers["Content-Type"] else None
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()) if "json" in (e.headers["Content-Type"] or "") else None
+
+
+def test_viewer_api_pages_a_run_and_refuses_bad_input(tmp_path: Path) -> None:
+    """No browser, no model: a hand-written run of 30 groups with a torn last line (a writer mid-append)."""
+    run = tmp_path / "proj" / "models" / "m"
+    (run / "trajectories" / "train").mkdir(parents=True)
+    group = {
+        "trajectories": [
+            {"messages_and_choices": [{"role": "user", "content": "hi"}], "reward": r}
+            for r in (1.0, 0.0, 0.5)
+        ]
+    }
+    lines = [json.dumps(group)] * 30
+    (run / "trajectories" / "train" / "0000.jsonl").write_text("\n".join(lines) + "\n" + '{"trajectories": [')
+    (run / "trajectories" / "train" / "0001.attempt-ab12.jsonl").write_text(lines[0] + "\n")
+    (run / "history.jsonl").write_text(
+        json.dumps({"step": 0, "split": "train", "train/loss": float("nan")}) + "\n"
+    )
+    server = ViewerServer([tmp_path]).start()
+    try:
+        status, runs = _get(server.url + "api/runs")
+        assert status == 200 and [(r["project"], r["name"]) for r in runs] == [("proj", "m")]
+        api = server.url + f"api/runs/{runs[0]['id']}/"
+        assert _get(api + "history")[1] == [{"step": 0, "split": "train", "train/loss": None}]  # strict JSON
+        steps = _get(api + "steps?split=train")[1]
+        assert [(s["name"], s["status"]) for s in steps["items"]] == [
+            ("0001.attempt-ab12", "attempt"),
+            ("0000", "committed"),
+        ]
+        page = _get(api + "step/train/0000?offset=20&limit=20")[1]
+        assert page["total_groups"] == 30 and [g["index"] for g in page["groups"]] == list(range(20, 30))
+        advantages = [t["advantage"] for t in page["groups"][0]["trajectories"]]
+        assert advantages == pytest.approx([1.2247, -1.2247, 0.0], abs=1e-4)  # (r - mean) / std
+        assert _get(api + "trajectory/train/0000/29/2")[1]["reward"] == 0.5
+        assert _get(api + "trajectory/train/0000/30/0")[0] == 400  # the torn line is not a group
+        assert _get(api + "trajectory/train/0000/0/3")[0] == 400
+        assert _get(api + "step/train/..%2F..%2Fetc")[0] == 404
+        assert _get(api + "steps?split=train&limit=100000")[0] == 400
+        assert _get(server.url + "api/runs/nope/history")[0] == 404
+        assert _get(server.url + "..%2Fapi.py")[0] == 404
+        assert _get(server.url + "api/runs", host="evil.example:80")[0] == 403  # DNS rebinding
+    finally:
+        server.close()
+
+
 def test_viewer_in_chromium(trained: _Run, chromium: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     from playwright.sync_api import expect, sync_playwright
 

@@ -14,6 +14,7 @@ Routes (relative to where the viewer is mounted; every one is a GET and only rea
 
 from __future__ import annotations
 
+import json
 import math
 import mimetypes
 import re
@@ -234,8 +235,6 @@ def _tool_calls(raw: Any) -> list[ToolCallView]:
 
 
 def _json(x: Any) -> str:
-    import json
-
     return json.dumps(x, ensure_ascii=False)
 
 
@@ -439,8 +438,6 @@ _SAFE_STATIC = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9]+)+")
 
 
 def _json_response(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> Response:
-    import json
-
     if isinstance(model, BaseModel):
         body = model.model_dump_json().encode()
     else:
