@@ -26,7 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("root", type=Path)
     ap.add_argument("out", help="path prefix of the PNG files")
-    ap.add_argument("--split", default="train")
+    ap.add_argument("--split", default="train", help="(the run's first split if it has no such split)")
     ap.add_argument("--step", default=None, help="trajectories file name (default: the newest)")
     ap.add_argument("--chromium", default="/usr/bin/chromium")
     args = ap.parse_args()
@@ -34,6 +34,8 @@ def main() -> None:
     try:
         run = _get(server.url + "api/runs")[0]
         rid = run["id"]
+        if args.split not in run["splits"]:  # a run still in its first evaluation has only `val`
+            args.split = run["splits"][0]
         steps = _get(server.url + f"api/runs/{rid}/steps?split={args.split}&limit=200")["items"]
         name = args.step or next(s["name"] for s in steps if s["status"] == "committed")
         groups = _get(server.url + f"api/runs/{rid}/step/{args.split}/{name}?limit=200")["groups"]
