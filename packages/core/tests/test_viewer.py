@@ -4,8 +4,8 @@ through its own executable, never a downloaded build) on a run this module train
 The run: a random-weight 2-layer Llama beside the embedded model's tokenizer, on a LocalBackend
 (the real engine, endpoint, grammar, trainer and run store, no 135M weights): each rollout makes a
 forced `add_task` call, gets the tool's answer (an error for an empty title), and answers. One step
-trains before the browser opens; a second trains while the page is open, and the page shows it
-without a reload. Screenshots of every page go to `<pytest tmp>/viewer-shots/` (printed).
+trains before the browser opens; while the page is open the model logs an evaluation (a history row
+and a val trajectories file, through the backend), and the page shows it without a reload. Screenshots of every page go to `<pytest tmp>/viewer-shots/` (printed).
 """
 
 from __future__ import annotations
@@ -225,11 +225,19 @@ def test_viewer_in_chromium(trained: _Run, chromium: str, tmp_path_factory: pyte
             page.screenshot(path=shots / "run.png", full_page=True)
             expect(page.locator("#steps .step-row")).to_have_count(1)
 
-            # live: a second step trains while the page is open; its row appears without a reload
-            trained.call(_train_step(trained.model, 1))
-            expect(page.locator("#steps .step-row")).to_have_count(2, timeout=20_000)
+            # live: an evaluation is logged while the page is open (a history row and a val file,
+            # written by the backend as a training run writes them); its curve appears unreloaded
+            val = [
+                jm.TrajectoryGroup([jm.Trajectory.model_validate(t) for t in g["trajectories"]])
+                for g in groups
+            ]
+            trained.call(trained.model.log(val, split="val"))
+            expect(page.locator(".chart[data-title=reward] .legend")).to_contain_text(
+                "val/reward", timeout=20_000
+            )
+            expect(page.locator(".tabs button", has_text="val")).to_be_visible()
 
-            page.locator("#steps .step-row", has_text="0").last.click()  # the run -> step 0
+            page.locator("#steps .step-row").first.click()  # the run -> step 0
             expect(page.locator(".group")).to_have_count(2)
             page.screenshot(path=shots / "step.png", full_page=True)
             page.locator(".group[data-group='0'] .traj-row").first.click()  # -> its best trajectory

@@ -72,6 +72,9 @@ async function render(keepScroll) {
   const main = document.getElementById("main");
   const y = window.scrollY;
   try {
+    // the files' fingerprint before the data is read: a change after this point is caught by poll()
+    const version = await versionOf(route);
+    if (route === state.route) state.version = version;
     const page = { runs: pageRuns, run: pageRun, step: pageStep, traj: pageTraj, compare: pageCompare }[route.page];
     const content = await page(route);
     if (route !== state.route) return; // the user moved on while this page loaded
@@ -83,21 +86,24 @@ async function render(keepScroll) {
   if (keepScroll) window.scrollTo(0, y);
 }
 
+async function versionOf(route) {
+  if (route.page === "runs") return JSON.stringify((await api("runs")).map((r) => r.version));
+  return (await api(`runs/${enc(route.run)}/version`)).version;
+}
+
 // Live: poll the run's fingerprint (or the list of runs) and redraw when it changes.
 async function poll() {
   const route = state.route;
   if (!route) return;
   const live = document.getElementById("live");
   try {
-    const v = route.page === "runs" ? JSON.stringify((await api("runs")).map((r) => r.version)) : (await api(`runs/${enc(route.run)}/version`)).version;
+    const v = await versionOf(route);
     live.classList.remove("stale");
     live.textContent = "live";
     if (state.version !== null && v !== state.version && route === state.route) {
-      state.version = v;
       await render(true);
       live.textContent = "live · updated " + new Date().toLocaleTimeString();
     }
-    state.version = v;
   } catch (e) {
     live.classList.add("stale");
     live.textContent = "not reachable";
