@@ -56,6 +56,7 @@ FILE_SECONDS = {  # in-suite seconds (calls and setups), from a fresh-clone run 
     "packages/core/tests/test_backend_contract.py": 25,
     "tests/test_front_doors.py": 24,
     "packages/core/tests/test_server_security.py": 16,
+    "packages/core/tests/test_viewer.py": 60,  # a guess (CPU time measured here, not in a fresh-clone run)
     "packages/core/tests/test_sharded.py": 12,
 }
 
@@ -136,6 +137,37 @@ def scripted(
     saved = engine.script, engine.delay_s, endpoint.request_timeout_s
     yield model, backend
     engine.script, engine.delay_s, endpoint.request_timeout_s = saved
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's Chromium for the browser tests, installed with apt-get where it is missing and this
+    runs as root (as CI does); never a browser build downloaded by a test tool. Where it can be
+    neither found nor installed, the tests that need it are skipped with a warning that says so."""
+    import shutil
+    import subprocess
+    import warnings
+
+    found = shutil.which("chromium") or (CHROMIUM if Path(CHROMIUM).exists() else None)
+    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        print(
+            "\nchromium is missing: apt-get install -y chromium (for the viewer's browser test)", flush=True
+        )
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+            if done.returncode != 0:
+                print(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}", flush=True)
+                break
+        found = shutil.which("chromium")
+    if found is None:
+        why = "BROWSER TESTS NOT RUN: no `chromium` on this machine and it could not be installed (apt-get install -y chromium, as root)"
+        warnings.warn(why, pytest.PytestWarning, stacklevel=1)
+        pytest.skip(why)
+    return found
 
 
 @pytest.fixture(scope="module")

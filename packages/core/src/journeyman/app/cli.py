@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -176,6 +177,41 @@ def report(
 
 
 @app.command()
+def view(
+    run_dirs: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="run directories, or roots holding them (default: .journeyman)", show_default=False
+        ),
+    ] = None,
+    port: Annotated[int, typer.Option(help="port on 127.0.0.1 (0: any free port)")] = 7900,
+    open_browser: Annotated[
+        bool, typer.Option("--open/--no-open", help="open the page in a browser")
+    ] = False,
+) -> None:
+    """Browse runs in a web page on 127.0.0.1: curves, steps, groups, trajectories and their tokens;
+    a run that is training updates the page as it goes. Read-only."""
+    from journeyman.app.view.server import ViewerServer
+
+    paths = run_dirs or [Path(".journeyman")]
+    missing = [p for p in paths if not p.exists()]
+    if missing:
+        raise typer.BadParameter(f"no such directory: {missing[0]}", param_hint="RUN_DIRS")
+    try:
+        server = ViewerServer(paths, port=port)
+    except OSError as e:
+        typer.secho(f"journeyman view: cannot listen on 127.0.0.1:{port}: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"journeyman view: {server.url}  (Ctrl-C stops it)", err=True)
+    if open_browser:
+        import webbrowser
+
+        webbrowser.open(server.url)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.serve_forever()
+
+
+@app.command()
 @with_fields(identity=BASE_MODEL, sft=SFT)
 def sft(
     file: Annotated[
@@ -312,7 +348,8 @@ def serve(
     ] = None,
     ssl_keyfile: Annotated[Path | None, typer.Option(help="the certificate's private key (PEM)")] = None,
 ) -> None:
-    """Serve the Backend protocol and every model's OpenAI endpoint over HTTP, for `jm.RemoteBackend`.
+    """Serve the Backend protocol and every model's OpenAI endpoint over HTTP, for `jm.RemoteBackend`,
+    and the run viewer at /view/ (open /view/?token=T once in a browser; a token of scope train).
 
     Every request needs `Authorization: Bearer <token>`: $JOURNEYMAN_TOKEN (or a new one printed at
     start) is an admin token; `journeyman token add` makes named ones with narrower scopes."""
@@ -326,6 +363,7 @@ def serve(
     except ImportError as e:
         typer.secho(str(e), fg=typer.colors.RED, err=True)  # says the command and what to install
         raise typer.Exit(2) from None
+    from journeyman.app.view.mount import add_viewer
     from journeyman.backends.local import LocalBackend
     from journeyman.backends.server import serve as run
 
@@ -352,6 +390,7 @@ def serve(
         on_ready=ready,
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
+        routes=lambda app: add_viewer(app, path),  # the run viewer at /view/ (token of scope train)
     )
 
 

@@ -134,9 +134,15 @@ class NewTokenBody(BaseModel):
 
 
 def create_app(
-    backend: ServedBackend, tokens: TokenBook | str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    backend: ServedBackend,
+    tokens: TokenBook | str,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    routes: Callable[[FastAPI], None] | None = None,
 ) -> FastAPI:
-    """The server's ASGI app (wrap it in `Guard` with the same tokens to serve it; `serve` does)."""
+    """The server's ASGI app (wrap it in `Guard` with the same tokens to serve it; `serve` does).
+
+    `routes` adds more of them, behind the same tokens (the CLI adds the run viewer's `/view/`)."""
     from journeyman.serving.endpoint import build_app
 
     book = token_book(tokens)
@@ -228,6 +234,8 @@ def create_app(
             )
         return await op.call(backend, arguments)
 
+    if routes is not None:
+        routes(app)
     for op in OPERATIONS:
         _add_route(app, op, answer)
     _document_bodies(app)
@@ -361,6 +369,7 @@ def serve(
     on_ready: Callable[[str], None] | None = None,
     ssl_certfile: str | Path | None = None,
     ssl_keyfile: str | Path | None = None,
+    routes: Callable[[FastAPI], None] | None = None,
 ) -> None:
     """Serve until interrupted (uvicorn, this thread); models registered before a restart are
     registered again by their clients and resume from the run directory.
@@ -372,7 +381,7 @@ def serve(
     if (ssl_certfile is None) != (ssl_keyfile is None):
         raise InvalidFieldError("ssl_keyfile", ssl_keyfile, "TLS needs both a certificate and its key")
     book = TokenBook(RunRoot(backend.path).tokens, admin_secret=token)
-    app = Guard(create_app(backend, book, max_body_bytes=max_body_bytes), book, max_body_bytes)
+    app = Guard(create_app(backend, book, max_body_bytes=max_body_bytes, routes=routes), book, max_body_bytes)
     config = uvicorn.Config(
         app,
         host=host,

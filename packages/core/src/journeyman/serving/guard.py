@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from http.cookies import CookieError, SimpleCookie
 from typing import Any
+from urllib.parse import parse_qs, parse_qsl, urlencode
 
 import h11
 from fastapi.responses import JSONResponse
@@ -42,8 +44,14 @@ ROUTE_SCOPES.update(info="sample", tokens="admin")
 _TOP_LEVEL = {"info", "tokens"} | {op.route for op in OPERATIONS if not op.per_model}  # not under models/
 
 
+VIEW_PREFIX = "/view"
+VIEW_COOKIE = "journeyman_token"
+
+
 def needed_scope(path: str) -> Scope:
     """The scope a request to `path` needs."""
+    if path == VIEW_PREFIX or path.startswith(VIEW_PREFIX + "/"):
+        return "train"  # the viewer shows every model's trajectories: more than sampling needs
     if not path.startswith(PREFIX + "/"):
         return "sample"  # the OpenAI routes, /docs, /openapi.json
     parts = path[len(PREFIX) + 1 :].split("/")
@@ -85,6 +93,11 @@ class Guard:
             headers[k] = v
         auth = headers.get(b"authorization", b"")
         token = self.tokens.lookup(auth[7:].decode("latin-1")) if auth[:7].lower() == b"bearer " else None
+        if token is None and _is_view(scope["path"]):
+            secret, from_query = _view_secret(scope, headers)
+            token = self.tokens.lookup(secret) if secret else None
+            if token is not None and from_query:  # once: into a cookie, out of the address bar
+                return await _to_cookie(scope, send, secret)
         if token is None:
             return await json_error(401, "unauthorized", kind="unauthorized")(scope, receive, send)
         needed = needed_scope(scope["path"])
@@ -126,6 +139,46 @@ class Guard:
             return next(replay, None) or await receive()
 
         await self.app(scope, replayed, send)
+
+
+def _is_view(path: str) -> bool:
+    return path == VIEW_PREFIX or path.startswith(VIEW_PREFIX + "/")
+
+
+def _view_secret(scope: dict[str, Any], headers: dict[bytes, bytes]) -> tuple[str, bool]:
+    """A browser cannot send a bearer header when it follows a link: the viewer's pages also take the
+    token as `?token=` (then moved into a cookie) or from that cookie. (secret, came from the query)."""
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    if query.get("token"):
+        return query["token"][-1], True
+    cookies = SimpleCookie()
+    try:
+        cookies.load(headers.get(b"cookie", b"").decode("latin-1"))
+    except CookieError:
+        return "", False
+    morsel = cookies.get(VIEW_COOKIE)
+    return (morsel.value if morsel is not None else ""), False
+
+
+async def _to_cookie(scope: dict[str, Any], send: Any, secret: str) -> None:
+    """303 to the same page without `?token=`, setting the token as an HttpOnly, same-site cookie
+    scoped to the viewer's paths."""
+    query = [(k, v) for k, v in parse_qsl(scope.get("query_string", b"").decode("latin-1")) if k != "token"]
+    location = scope["path"] + ("?" + urlencode(query) if query else "")
+    secure = "; Secure" if scope.get("scheme") == "https" else ""
+    cookie = f"{VIEW_COOKIE}={secret}; Path={VIEW_PREFIX}; HttpOnly; SameSite=Strict{secure}"
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 303,
+            "headers": [
+                (b"location", location.encode("latin-1")),
+                (b"set-cookie", cookie.encode("latin-1")),
+                (b"content-length", b"0"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": b""})
 
 
 class HeaderTimeoutH11(H11Protocol):
@@ -176,6 +229,8 @@ def token_book(tokens: TokenBook | str) -> TokenBook:
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "ROUTE_SCOPES",
+    "VIEW_COOKIE",
+    "VIEW_PREFIX",
     "Guard",
     "HeaderTimeoutH11",
     "json_error",

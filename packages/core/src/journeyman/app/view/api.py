@@ -1,0 +1,526 @@
+"""The viewer's JSON API over run directories, and its static files: one `handle` function that the
+stdlib server of `journeyman view` and the `/view/` routes of `journeyman serve` both call.
+
+Routes (relative to where the viewer is mounted; every one is a GET and only reads):
+
+    api/runs                                        the runs and their latest numbers
+    api/runs/<run>/version                          a fingerprint of the run's files (pages poll it)
+    api/runs/<run>/history                          history.jsonl's rows
+    api/runs/<run>/steps?split=&offset=&limit=      trajectories files, newest first, a page at a time
+    api/runs/<run>/step/<split>/<file>?offset=&limit=   the groups of one file, a page at a time
+    api/runs/<run>/trajectory/<split>/<file>/<group>/<index>   one trajectory, messages and tokens
+    <anything else>                                 static/<path> (index.html for the root)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mimetypes
+import re
+from dataclasses import dataclass, field
+from importlib.resources import files
+from typing import Any
+from urllib.parse import parse_qs
+
+from pydantic import BaseModel, Field
+
+from journeyman.app.view.runs import Run, RunFiles, StepFile
+from journeyman.app.view.tokens import token_decoder
+from journeyman.data.config import DEFAULT_BASE_MODEL
+from journeyman.errors import InvalidFieldError, JourneymanError
+from journeyman.rollout.histories import extends
+
+__all__ = ["Response", "handle"]
+
+MAX_LIMIT = 200
+PREVIEW_CHARS = 160
+
+
+@dataclass
+class Response:
+    status: int
+    content_type: str
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+# -- what the pages get -------------------------------------------------------------------------
+class RunSummary(BaseModel):
+    id: str
+    project: str
+    name: str
+    path: str
+    base_model: str | None
+    step: int | None = Field(description="the run's committed step (state.json)")
+    splits: list[str]
+    history_rows: int
+    latest: dict[str, float] = Field(description="the newest value of each reward-like metric")
+    version: str
+
+
+class StepRow(BaseModel):
+    split: str
+    name: str = Field(description="the file's name without .jsonl: the step, or step.attempt-<id> ...")
+    step: int
+    status: str
+    size: int
+    mtime: float
+    metrics: dict[str, Any] = Field(description="the history row of this step and split, if any")
+
+
+class StepPage(BaseModel):
+    split: str
+    total: int
+    offset: int
+    items: list[StepRow]
+
+
+class TrajectorySummary(BaseModel):
+    index: int
+    reward: float
+    advantage: float
+    turns: int = Field(description="assistant turns")
+    tool_calls: list[str] = Field(description="names of the tools it called, in order")
+    tool_errors: int = Field(description="tool results that read as errors")
+    error: str | None = Field(description="the exception type when the run raised")
+    preview: str = Field(description="the start of its last assistant turn")
+    metrics: dict[str, Any]
+
+
+class GroupView(BaseModel):
+    index: int
+    prompt: str = Field(description="the start of the first user message")
+    reward_mean: float
+    reward_std: float
+    trajectories: list[TrajectorySummary]
+    exceptions: list[dict[str, str]]
+    dropped: int
+    metadata: dict[str, Any]
+
+
+class StepView(BaseModel):
+    split: str
+    name: str
+    step: int
+    status: str
+    total_groups: int
+    offset: int
+    groups: list[GroupView]
+    metrics: dict[str, Any]
+
+
+class ToolCallView(BaseModel):
+    id: str | None
+    name: str
+    arguments: str
+
+
+class MessageView(BaseModel):
+    role: str
+    content: str
+    tool_calls: list[ToolCallView] = Field(default_factory=list)
+    tool_call_id: str | None = None
+    sampled: bool = Field(default=False, description="an assistant turn the policy sampled (token-recorded)")
+    policy_step: int | None = None
+    finish_reason: str | None = None
+    tokens: int | None = None
+    mean_logprob: float | None = None
+    error: bool = Field(default=False, description="a tool result that reads as an error")
+
+
+class TokenRow(BaseModel):
+    """One training row as the trainer builds it: prompt ids masked, sampled ids trained."""
+
+    ids: list[int]
+    text: list[str] | None = Field(description="each token's text, when a tokenizer is at hand")
+    trained: list[bool]
+    logprobs: list[float | None]
+
+
+class TrajectoryView(BaseModel):
+    run: str
+    split: str
+    file: str
+    step: int
+    group: int
+    index: int
+    group_size: int
+    reward: float
+    advantage: float
+    metrics: dict[str, Any]
+    metadata: dict[str, Any]
+    logs: list[str]
+    error: dict[str, Any] | None
+    ruler_explanation: str | None
+    tools: list[str]
+    messages: list[MessageView]
+    rows: list[TokenRow]
+    trained_tokens: int
+    masked_tokens: int
+
+
+# -- reading ------------------------------------------------------------------------------------
+def _num(x: Any) -> float:
+    return float(x) if isinstance(x, int | float) and math.isfinite(x) else 0.0
+
+
+def advantages(rewards: list[float], scale_by_std: bool = True) -> list[float]:
+    """GRPO's group advantages as the trainer computes them (`training.loss.group_advantages`,
+    `TrainConfig.scale_rewards` on by default): (r - mean) / (std + 1e-6), population std."""
+    if not rewards:
+        return []
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    return [(r - mean) / (std + 1e-6) if scale_by_std else r - mean for r in rewards]
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def _looks_like_error(text: str) -> bool:
+    head = text.lstrip()[:200].lower()
+    return head.startswith(("error", "traceback", '{"error"')) or "exception" in head[:60]
+
+
+def _message(item: dict[str, Any]) -> MessageView:
+    """A stored message or choice as one message: a choice is its assistant message plus its record."""
+    if "message" in item and "finish_reason" in item:
+        msg = item.get("message") or {}
+        rec = item.get("journeyman") or {}
+        logprobs = [x for x in rec.get("logprobs") or [] if isinstance(x, int | float)]
+        return MessageView(
+            role=msg.get("role") or "assistant",
+            content=_text(msg.get("content")),
+            tool_calls=_tool_calls(msg.get("tool_calls")),
+            sampled=bool(rec),
+            policy_step=rec.get("step"),
+            finish_reason=item.get("finish_reason"),
+            tokens=len(rec.get("token_ids") or []) if rec else None,
+            mean_logprob=sum(logprobs) / len(logprobs) if logprobs else None,
+        )
+    content = _text(item.get("content"))
+    role = str(item.get("role", "?"))
+    return MessageView(
+        role=role,
+        content=content,
+        tool_calls=_tool_calls(item.get("tool_calls")),
+        tool_call_id=item.get("tool_call_id"),
+        error=role == "tool" and _looks_like_error(content),
+    )
+
+
+def _tool_calls(raw: Any) -> list[ToolCallView]:
+    out = []
+    for c in raw or []:
+        if not isinstance(c, dict):
+            continue
+        fn = c.get("function") or {}
+        args = fn.get("arguments")
+        out.append(
+            ToolCallView(
+                id=c.get("id"),
+                name=str(fn.get("name", "?")),
+                arguments=args if isinstance(args, str) else _json(args),
+            )
+        )
+    return out
+
+
+def _json(x: Any) -> str:
+    return json.dumps(x, ensure_ascii=False)
+
+
+def _records(traj: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        item["journeyman"]
+        for item in traj.get("messages_and_choices") or []
+        if isinstance(item, dict) and isinstance(item.get("journeyman"), dict)
+    ]
+
+
+def _rows(records: list[dict[str, Any]]) -> list[tuple[list[int], list[bool], list[float | None]]]:
+    """Records joined into rows by the trainer's rule (`training.rows`): a call whose prompt extends
+    the row so far continues it, its new prompt ids masked, its sampled ids trained."""
+    rows: list[tuple[list[int], list[bool], list[float | None]]] = []
+    for rec in records:
+        prompt = [int(i) for i in rec.get("prompt_token_ids") or []]
+        sampled = [int(i) for i in rec.get("token_ids") or []]
+        lps = list(rec.get("logprobs") or [])
+        if rows and extends(rows[-1][0], prompt):
+            ids, trained, logprobs = rows[-1]
+            new = prompt[len(ids) :]
+        else:
+            ids, trained, logprobs = [], [], []
+            rows.append((ids, trained, logprobs))
+            new = prompt
+        ids += new
+        trained += [False] * len(new)
+        logprobs += [None] * len(new)
+        ids += sampled
+        trained += [True] * len(sampled)
+        logprobs += [float(x) if isinstance(x, int | float) else None for x in lps[: len(sampled)]]
+        logprobs += [None] * (len(sampled) - len(lps))
+    return rows
+
+
+def _summary(i: int, traj: dict[str, Any], advantage: float) -> TrajectorySummary:
+    messages = [_message(m) for m in traj.get("messages_and_choices") or [] if isinstance(m, dict)]
+    assistant = [m for m in messages if m.role == "assistant"]
+    last = next((m for m in reversed(assistant) if m.content), None)
+    preview = (last.content if last else "")[:PREVIEW_CHARS]
+    error = traj.get("error")
+    return TrajectorySummary(
+        index=i,
+        reward=_num(traj.get("reward")),
+        advantage=advantage,
+        turns=len(assistant),
+        tool_calls=[c.name for m in assistant for c in m.tool_calls],
+        tool_errors=sum(m.error for m in messages),
+        error=error.get("type") if isinstance(error, dict) else None,
+        preview=preview,
+        metrics=traj.get("metrics") or {},
+    )
+
+
+def _group(index: int, raw: dict[str, Any]) -> GroupView:
+    trajs = [t for t in raw.get("trajectories") or [] if isinstance(t, dict)]
+    if "trajectories" not in raw and "messages_and_choices" in raw:  # a file of loose trajectories
+        trajs = [raw]
+    rewards = [_num(t.get("reward")) for t in trajs]
+    advs = advantages(rewards)
+    mean = sum(rewards) / len(rewards) if rewards else 0.0
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)) if rewards else 0.0
+    first_user = ""
+    if trajs:
+        for m in trajs[0].get("messages_and_choices") or []:
+            if isinstance(m, dict) and m.get("role") == "user":
+                first_user = _text(m.get("content"))[:PREVIEW_CHARS]
+                break
+    return GroupView(
+        index=index,
+        prompt=first_user,
+        reward_mean=mean,
+        reward_std=std,
+        trajectories=[_summary(i, t, a) for i, (t, a) in enumerate(zip(trajs, advs, strict=True))],
+        exceptions=[
+            {"type": str(e.get("type", "")), "message": str(e.get("message", ""))[:500]}
+            for e in raw.get("exceptions") or []
+            if isinstance(e, dict)
+        ],
+        dropped=len(raw.get("dropped") or []),
+        metadata=raw.get("metadata") or {},
+    )
+
+
+def _history_row(run: Run, split: str, step: int) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for r in run.history():
+        if r.get("split") == split and r.get("step") == step:
+            row = r  # the last one: an evaluation after training shares the step of the one before
+    return row
+
+
+def _latest(run: Run) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in run.history():
+        for k, v in r.items():
+            if k.endswith("/reward") and isinstance(v, int | float):
+                out[k] = float(v)
+    return out
+
+
+def run_summary(run: Run) -> RunSummary:
+    state = run.state()
+    return RunSummary(
+        id=run.id,
+        project=run.project,
+        name=run.name,
+        path=str(run.root),
+        base_model=state.get("base_model"),
+        step=state.get("step"),
+        splits=run.splits(),
+        history_rows=len(run.history()),
+        latest=_latest(run),
+        version=run.version(),
+    )
+
+
+def steps_page(run: Run, split: str, offset: int, limit: int) -> StepPage:
+    files_ = list(reversed(run.step_files(split)))  # newest first
+    page = files_[offset : offset + limit]
+    return StepPage(
+        split=split,
+        total=len(files_),
+        offset=offset,
+        items=[
+            StepRow(
+                split=f.split,
+                name=f.name,
+                step=f.step,
+                status=f.status,
+                size=f.size,
+                mtime=f.mtime_ns / 1e9,
+                metrics=_history_row(run, split, f.step) if f.status == "committed" else {},
+            )
+            for f in page
+        ],
+    )
+
+
+def step_view(run: Run, f: StepFile, offset: int, limit: int) -> StepView:
+    return StepView(
+        split=f.split,
+        name=f.name,
+        step=f.step,
+        status=f.status,
+        total_groups=run.count_lines(f),
+        offset=offset,
+        groups=[_group(offset + i, g) for i, g in enumerate(run.read_lines(f, offset, offset + limit))],
+        metrics=_history_row(run, f.split, f.step) if f.status == "committed" else {},
+    )
+
+
+def trajectory_view(run: Run, f: StepFile, group: int, index: int) -> TrajectoryView:
+    if not 0 <= group < run.count_lines(f):
+        raise InvalidFieldError("group", group, f"{f.name}.jsonl has {run.count_lines(f)} groups")
+    raw = run.read_lines(f, group, group + 1)[0]
+    trajs = [t for t in raw.get("trajectories") or [] if isinstance(t, dict)] or [raw]
+    if not 0 <= index < len(trajs):
+        raise InvalidFieldError("index", index, f"group {group} has {len(trajs)} trajectories")
+    traj = trajs[index]
+    advs = advantages([_num(t.get("reward")) for t in trajs])
+    decode = token_decoder(str(run.state().get("base_model") or DEFAULT_BASE_MODEL))
+    rows = []
+    for ids, trained, logprobs in _rows(_records(traj)):
+        rows.append(
+            TokenRow(ids=ids, text=decode(ids) if decode else None, trained=trained, logprobs=logprobs)
+        )
+    metadata = traj.get("metadata") or {}
+    error = traj.get("error")
+    return TrajectoryView(
+        run=run.id,
+        split=f.split,
+        file=f.name,
+        step=f.step,
+        group=group,
+        index=index,
+        group_size=len(trajs),
+        reward=_num(traj.get("reward")),
+        advantage=advs[index],
+        metrics=traj.get("metrics") or {},
+        metadata=metadata,
+        logs=[str(x) for x in traj.get("logs") or []],
+        error=error if isinstance(error, dict) else None,
+        ruler_explanation=metadata.get("ruler_explanation"),
+        tools=[
+            str((t.get("function") or {}).get("name", "?"))
+            for t in traj.get("tools") or []
+            if isinstance(t, dict)
+        ],
+        messages=[_message(m) for m in traj.get("messages_and_choices") or [] if isinstance(m, dict)],
+        rows=rows,
+        trained_tokens=sum(sum(r.trained) for r in rows),
+        masked_tokens=sum(len(r.trained) - sum(r.trained) for r in rows),
+    )
+
+
+# -- routing ------------------------------------------------------------------------------------
+_STATIC = files("journeyman.app.view") / "static"
+_SAFE_STATIC = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9]+)+")
+
+
+def _json_response(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> Response:
+    if isinstance(model, BaseModel):
+        body = model.model_dump_json().encode()
+    else:
+        body = json.dumps(model, allow_nan=False, default=str).encode()
+    return Response(status, "application/json", body, {"Cache-Control": "no-store"})
+
+
+def _error(status: int, message: str, field: str | None = None) -> Response:
+    return _json_response({"error": {"message": message, "param": field}}, status)
+
+
+def _int(query: dict[str, list[str]], name: str, default: int, high: int | None = None) -> int:
+    raw = query.get(name, [str(default)])[-1]
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidFieldError(name, raw, "must be an integer") from None
+    if value < 0 or (high is not None and value > high):
+        raise InvalidFieldError(name, value, f"must be between 0 and {high}" if high else "must be >= 0")
+    return value
+
+
+def _finite(x: Any) -> Any:
+    """NaN and infinities as null: the answer is strict JSON (history rows may hold NaN)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _static(path: str) -> Response:
+    name = path or "index.html"
+    if not _SAFE_STATIC.fullmatch(name):
+        return _error(404, f"no such page: {path}")
+    res = _STATIC / name
+    if not res.is_file():
+        return _error(404, f"no such file: {name}")
+    kind = mimetypes.guess_type(name)[0] or "application/octet-stream"
+    if kind.startswith("text/") or kind == "application/javascript":
+        kind += "; charset=utf-8"
+    return Response(200, kind, res.read_bytes(), {"Cache-Control": "no-cache"})
+
+
+def _api(runs: RunFiles, parts: list[str], query: dict[str, list[str]]) -> Response:
+    if parts == ["runs"]:
+        return _json_response([run_summary(r).model_dump() for r in runs.runs()])
+    if len(parts) < 3 or parts[0] != "runs":
+        return _error(404, "no such route")
+    run, what, rest = runs.get(parts[1]), parts[2], parts[3:]
+    if what == "version" and not rest:
+        return _json_response({"version": run.version()})
+    if what == "history" and not rest:
+        return _json_response(_finite(run.history()))
+    if what == "steps" and not rest:
+        splits = run.splits()
+        split = query.get("split", ["train" if "train" in splits else (splits or ["train"])[0]])[-1]
+        if not splits:
+            return _json_response(StepPage(split=split, total=0, offset=0, items=[]))
+        page = steps_page(run, split, _int(query, "offset", 0), _int(query, "limit", 50, MAX_LIMIT))
+        return _json_response(_finite(page.model_dump()))
+    if what == "step" and len(rest) == 2:
+        f = run.step_file(rest[0], rest[1])
+        view = step_view(run, f, _int(query, "offset", 0), _int(query, "limit", 50, MAX_LIMIT))
+        return _json_response(_finite(view.model_dump()))
+    if what == "trajectory" and len(rest) == 4:
+        f = run.step_file(rest[0], rest[1])
+        group = _int({"group": [rest[2]]}, "group", 0)
+        index = _int({"index": [rest[3]]}, "index", 0)
+        return _json_response(_finite(trajectory_view(run, f, group, index).model_dump()))
+    return _error(404, "no such route")
+
+
+def handle(runs: RunFiles, path: str, query_string: str = "") -> Response:
+    """The answer to `GET <mount>/<path>?<query_string>` (path without its leading slash)."""
+    parts = [p for p in path.split("/") if p]
+    try:
+        if parts[:1] == ["api"]:
+            return _api(runs, parts[1:], parse_qs(query_string))
+        return _static("/".join(parts))
+    except InvalidFieldError as e:
+        return _error(404 if e.field in ("run", "step", "split") else 400, str(e), e.field)
+    except (JourneymanError, OSError) as e:
+        return _error(500, f"{type(e).__name__}: {e}")
