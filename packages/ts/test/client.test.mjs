@@ -88,7 +88,8 @@ test("the Vercel AI SDK's tool loop (generateText, a zod tool) is captured", asy
   const seen = [];
   const result = await generateText({
     model: provider(model.name),
-    messages: ASK,
+    system: ASK[0].content,
+    prompt: ASK[1].content,
     maxOutputTokens: 40,
     tools: {
       get_weather: tool({
