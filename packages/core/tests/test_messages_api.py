@@ -12,6 +12,8 @@ import anthropic
 import httpx
 import journeyman as jm
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from journeyman.rollout.histories import join_calls
 
 pytestmark = pytest.mark.integration
@@ -253,3 +255,95 @@ async def test_the_real_model_calls_a_tool_and_answers_token_exactly(served) -> 
     tok = backend.service(model).chat_format.tokenizer
     answer = "".join(b.text for b in second.content if b.type == "text")
     assert tok.decode(rec2.token_ids, skip_special_tokens=True).strip() == answer
+
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+_block = (
+    st.sampled_from(
+        [
+            {"type": "text", "text": "hi"},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Rome"}},
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]},
+            {"type": "thinking", "thinking": "hm", "signature": "x"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}},
+        ]
+    )
+    | _json
+)
+_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant", "system"]) | _json,
+        "content": st.text(max_size=20) | st.lists(_block, max_size=3) | _json,
+    }
+)
+_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "max_tokens": st.integers(-2, 6) | _json,
+    "messages": st.lists(_message, max_size=3) | _json,
+    "system": st.text(max_size=20) | st.just([{"type": "text", "text": "Be brief."}]) | _json,
+    "tools": st.just([WEATHER])
+    | st.lists(st.fixed_dictionaries({"name": _json, "input_schema": _json}))
+    | _json,
+    "tool_choice": st.sampled_from(
+        [
+            {"type": "auto"},
+            {"type": "any"},
+            {"type": "none"},
+            {"type": "tool", "name": "get_weather"},
+            {"type": "tool"},
+        ]
+    )
+    | _json,
+    "stop_sequences": st.lists(st.text(max_size=4), max_size=3) | _json,
+    "temperature": st.floats(-1, 3) | _json,
+    "stream": st.booleans() | _json,
+}
+
+
+@st.composite
+def _bodies(draw: st.DrawFn, model: str) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": draw(st.just(model) | st.text(max_size=5)),
+        "max_tokens": 4,
+        "messages": ASK,
+    }
+    for name in draw(st.lists(st.sampled_from(sorted(_FIELDS)), max_size=4, unique=True)):
+        body[name] = draw(_FIELDS[name])
+    return body
+
+
+def test_any_body_is_answered_or_refused_in_anthropics_shape(scripted) -> None:
+    """Fuzzed Messages bodies (blocks, tools, choices, every field replaced by any JSON): a message or
+    event stream, else a 400 / 404 in Anthropic's error shape naming what was wrong; never a 5xx."""
+    model, backend = scripted
+    backend.engine(model).script = ["Fine. " + _call("get_weather", {"city": "Rome"})]
+    where = model.inference()
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None)
+    @given(_bodies(model.name))
+    def check(body: dict[str, Any]) -> None:
+        r = httpx.post(
+            f"{where.base_url}/messages", json=body, headers={"x-api-key": where.api_key}, timeout=60
+        )
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code in (200, 400, 404), (r.status_code, r.text[:300], body)
+        if r.status_code == 200:
+            assert r.headers["content-type"].startswith("text/event-stream") or r.json()["type"] == "message"
+        else:
+            error = r.json()
+            assert error["type"] == "error" and error["error"]["type"] in (
+                "invalid_request_error",
+                "not_found_error",
+            )
+            assert error["error"]["message"], body
+
+    check()
+    assert seen.get(200) and seen.get(400), seen
