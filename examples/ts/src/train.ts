@@ -59,7 +59,7 @@ const { values: args } = parseArgs({
     "group-size": { type: "string", default: "4" },
     "prompts-per-step": { type: "string", default: "8" },
     "eval-prompts": { type: "string", default: "32" },
-    "max-tokens": { type: "string", default: "40" },
+    "max-tokens": { type: "string", default: "48" }, // the forced lookup call must fit (~25 tokens)
     "learning-rate": { type: "string", default: "2e-4" },
     name: { type: "string", default: `ts-agent-${Date.now()}` },
   },

@@ -63,10 +63,12 @@ export class TooManyExceptionsError extends JourneymanError {
     readonly total: number,
     readonly limit: number,
     readonly groups: unknown[],
+    first?: { type: string; message: string },
   ) {
     super(
-      `maxExceptions=${limit}: ${failed} of ${total} rollouts threw; ` +
-        `the ${groups.length} groups finished so far are on this error's .groups`,
+      `maxExceptions=${limit}: ${failed} of ${total} rollouts threw` +
+        (first ? ` (the first: ${first.type}: ${first.message})` : "") +
+        `; the ${groups.length} groups finished so far are on this error's .groups`,
     );
   }
 }

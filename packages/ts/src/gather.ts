@@ -54,6 +54,9 @@ export async function gatherTrajectoryGroups(groups: Iterable<Rollout[]>, option
   });
   const kept = out.filter((group) => group.trajectories.length > 0);
   const limit = maxExceptions > 0 && maxExceptions < 1 ? maxExceptions * jobs.length : maxExceptions;
-  if (failed > limit) throw new TooManyExceptionsError(failed, jobs.length, maxExceptions, kept);
+  if (failed > limit) {
+    const first = out.flatMap((g) => g.exceptions)[0];
+    throw new TooManyExceptionsError(failed, jobs.length, maxExceptions, kept, first);
+  }
   return kept;
 }
