@@ -77,6 +77,7 @@ async function rollout(scenario: Scenario, temperature: number): Promise<Traject
   const episode = model.episode();
   const { baseURL, apiKey } = model.inference();
   const provider = createOpenAICompatible({ name: "journeyman", baseURL, apiKey, fetch: episode.fetch });
+  // a call cut at the token limit is no call: the AI SDK throws, and the run scores 0 (and trains)
   const result = await generateText({
     model: provider(model.name),
     system: SYSTEM,
@@ -92,7 +93,7 @@ async function rollout(scenario: Scenario, temperature: number): Promise<Traject
     },
     prepareStep: ({ stepNumber }) => ({ toolChoice: stepNumber === 0 ? "required" : "none" }),
     stopWhen: stepCountIs(2),
-  });
+  }).catch(() => ({ text: "" }));
   const trajectory = await episode.finish();
   const answerTokens = trajectory.records().at(-1)?.token_ids.length ?? maxTokens;
   const onTopic = result.text.toLowerCase().includes(scenario.topic);
