@@ -148,9 +148,10 @@ for (let step = 0; step < steps; step++) {
   console.log(`step ${result.step}: train reward ${mean.toFixed(3)}${result.skipped ? " (skipped)" : ""}`);
 }
 const after = await evaluate(held);
-const gain = (after.mean - before.mean) / Math.hypot(before.sem, after.sem);
+const se = Math.hypot(before.sem, after.sem);
+const gain = se > 0 ? ((after.mean - before.mean) / se).toFixed(1) : "n/a (no spread)";
 console.log(`held-out reward after:  ${after.mean.toFixed(3)} ± ${after.sem.toFixed(3)}`);
 console.log(
-  `gain: ${(after.mean - before.mean).toFixed(3)} = ${gain.toFixed(1)} standard errors; ` +
+  `gain: ${(after.mean - before.mean).toFixed(3)} = ${gain} standard errors; ` +
     `paired sign test p = ${signTest(before.rewards, after.rewards).toPrecision(2)}`,
 );
