@@ -276,9 +276,11 @@ def _document_bodies(app: FastAPI) -> None:
     from pydantic.json_schema import models_json_schema
 
     from journeyman.serving.endpoint import ChatCompletionRequest
+    from journeyman.serving.messages_api import MessagesRequest
 
     bodies: dict[str, type[BaseModel]] = {
         "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/messages": MessagesRequest,
         f"{PREFIX}/tokens": NewTokenBody,
         **{PREFIX + op.path: op.body for op in OPERATIONS if op.body is not None},
     }
@@ -294,18 +296,85 @@ def _document_bodies(app: FastAPI) -> None:
             return app.openapi_schema
         doc = made(app)
         refs, defs = models_json_schema(
-            [(m, "validation") for m in bodies.values()], ref_template="#/components/schemas/{model}"
+            [*((m, "validation") for m in bodies.values()), (TrainEvent, "serialization")],
+            ref_template="#/components/schemas/{model}",
         )
         doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        # every route stands behind the Guard: a bearer token, or Anthropic's header on any route
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        }
+        doc["security"] = [{"bearer": []}, {"x-api-key": []}]
+        doc["info"]["description"] = PROTOCOL_DOC
         for path, m in [*bodies.items(), ("/v1/responses", None)]:
             schema = responses if m is None else refs[(m, "validation")]
             doc["paths"][path]["post"]["requestBody"] = {
                 "required": True,
                 "content": {"application/json": {"schema": schema}},
             }
+        doc["components"]["schemas"]["Error"] = _ERROR_SCHEMA
+        for path, methods in doc["paths"].items():
+            for method, op in methods.items():
+                _document_answers(path, method, op, refs[(TrainEvent, "serialization")])
         return doc
 
     app.openapi = openapi  # pyright: ignore[reportAttributeAccessIssue]
+
+
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "An error: OpenAI's shape ({error: {message, type, param}}) on every route but "
+    "/v1/messages, whose errors are Anthropic's ({type: 'error', error: {type, message}})",
+    "properties": {
+        "type": {"type": "string"},
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"], "description": "the field that was wrong"},
+            },
+            "required": ["message", "type"],
+        },
+    },
+    "required": ["error"],
+}
+_ERRORS = {
+    "400": "a field is wrong: `param` (and the message) names it",
+    "401": "no token, or not one this server knows",
+    "403": "the token's scope does not allow this route",
+    "404": "the model the path or body names is not registered",
+    "413": "the body is over the server's limit",
+}
+
+
+def _document_answers(path: str, method: str, op: dict[str, Any], event: dict[str, Any]) -> None:
+    """The errors a route answers (the Guard's and the routes' own, never FastAPI's 422: every
+    body is read raw), its scope (`x-journeyman-scope`), and a training call's event stream."""
+    answers = op.setdefault("responses", {})
+    answers.pop("422", None)
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for status, why in _ERRORS.items():
+        if status != "404" or "{name}" in path or path.startswith("/v1/"):
+            answers[status] = {"description": why, **error}
+    op["x-journeyman-scope"] = needed_scope(path)
+    if path.endswith(("/train", "/train_sft")):
+        answers["200"] = {
+            "description": "newline-delimited TrainEvent JSON: progress lines (one at least every 15 s), "
+            "then one `result` or `error` line. Retried with the same idempotency_key, it reattaches.",
+            "content": {"application/x-ndjson": {"schema": event}},
+        }
+
+
+PROTOCOL_DOC = (
+    f"`journeyman serve`: the Backend protocol (version {PROTOCOL_VERSION}) under `{PREFIX}/`, and each "
+    "registered model's OpenAI-compatible (`/v1/chat/completions`, `/v1/responses`, `/v1/models`) and "
+    "Anthropic (`/v1/messages`) routes. Every route needs a token (`Authorization: Bearer <token>` or "
+    "`x-api-key: <token>`) of a scope that allows it: sample < train < admin. A request carrying "
+    "`x-journeyman-capture: <id>` is filed under that id for `POST .../captures`. Training routes answer "
+    "newline-delimited TrainEvent JSON. See docs/protocol.md."
+)
 
 
 def _token_name(request: Request) -> str | None:

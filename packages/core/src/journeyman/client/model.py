@@ -17,6 +17,7 @@ from journeyman.errors import InvalidFieldError, JourneymanError
 from journeyman.rollout.capture import CapturedCall, add_capture_header, capture_scope
 
 if TYPE_CHECKING:
+    from anthropic import AsyncAnthropic
     from openai import AsyncOpenAI
 
 
@@ -71,6 +72,24 @@ class TrainableModel(ModelConfig):
         timeout = httpx.Timeout(CLIENT_TIMEOUT_S)  # past the endpoint's own limit: its 504 names the cause
         http = httpx.AsyncClient(event_hooks={"request": [add_capture_header]}, timeout=timeout)
         return AsyncOpenAI(base_url=where.base_url, api_key=where.api_key, http_client=http, **kwargs)
+
+    def anthropic_client(self, **kwargs: Any) -> AsyncAnthropic:
+        """An AsyncAnthropic client for this model's `/v1/messages` (the Anthropic Messages API, served
+        by the same endpoint); requests inside `capture()` are tagged. Needs `pip install anthropic`."""
+        try:
+            from anthropic import AsyncAnthropic, DefaultAsyncHttpxClient
+        except ImportError as e:
+            raise ImportError(
+                "model.anthropic_client() needs the Anthropic SDK: pip install anthropic"
+            ) from e
+
+        where = self.inference()
+        # the SDK's own HTTP client class (newer releases ship their own httpx), with the capture hook
+        http = DefaultAsyncHttpxClient(
+            event_hooks={"request": [add_capture_header]}, timeout=CLIENT_TIMEOUT_S
+        )
+        root = where.base_url.removesuffix("/").removesuffix("/v1")  # the SDK adds /v1/messages
+        return AsyncAnthropic(**{"base_url": root, "api_key": where.api_key, "http_client": http, **kwargs})
 
     async def get_step(self) -> int:
         return await self.backend.get_step(self)

@@ -30,6 +30,7 @@ from journeyman.engine.base import MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS, SEED_MA
 from journeyman.engine.grammar import SCHEMA_FIELD
 from journeyman.errors import EngineTimeoutError, InvalidFieldError, UnknownModelError
 from journeyman.rollout.capture import CapturedCall, Captures
+from journeyman.serving.messages_api import add_routes as add_messages_routes
 from journeyman.serving.openai_http import (
     MAX_SCHEMA_BYTES,
     NamedToolChoice,
@@ -428,15 +429,17 @@ class Endpoint:
                 message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = calls
-            choices.append(
-                {
-                    "index": i,
-                    "message": message,
-                    "finish_reason": finish,
-                    "logprobs": self._logprobs(s) if req.logprobs else None,
-                    "journeyman": record.model_dump(),
-                }
-            )
+            choice = {
+                "index": i,
+                "message": message,
+                "finish_reason": finish,
+                "logprobs": self._logprobs(s) if req.logprobs else None,
+                "journeyman": record.model_dump(),
+            }
+            matched = self._stop_string(s, params.stop) if finish == "stop" else None
+            if matched is not None:
+                choice["stop_reason"] = matched  # vLLM's field: the stop string that ended the text
+            choices.append(choice)
         response = chat_completion_body(
             name, choices, len(prompt_ids), sum(len(s.token_ids) for s in samples)
         )
@@ -451,6 +454,14 @@ class Endpoint:
                 ),
             )
         return response
+
+    def _stop_string(self, s: Sample, stop: list[str]) -> str | None:
+        """The stop string that ended `s`: the engine cut its text where one begins."""
+        if not stop:
+            return None
+        whole = self.chat_format.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+        after = whole[len(s.text) :] if whole.startswith(s.text) else ""
+        return next((st for st in sorted(stop, key=len, reverse=True) if after.startswith(st)), None)
 
     def _logprobs(self, s: Sample) -> dict[str, Any]:
         tok = self.chat_format.tokenizer
@@ -503,6 +514,7 @@ def build_app(endpoint: Served) -> FastAPI:
         return await handle_json(request, handle)
 
     add_responses_routes(app, endpoint)  # POST /v1/responses, served through chat_completion
+    add_messages_routes(app, endpoint)  # POST /v1/messages (Anthropic's), the same way
     return app
 
 

@@ -62,7 +62,7 @@ def needed_scope(path: str) -> Scope:
 class Guard:
     """ASGI middleware in front of everything the server answers.
 
-    The bearer token on every request (401), its scope against the route (403); a body read whole
+    The bearer token (or, as Anthropic's SDKs send it, `x-api-key`) on every request (401), its scope against the route (403); a body read whole
     here, counted as it arrives whatever its framing (a declared Content-Length beside chunked
     transfer is refused outright: a request smuggling shape), capped (413) and with an idle timeout
     between its chunks (408). The app gets the token's name in `request.state.token`.
@@ -84,35 +84,42 @@ class Guard:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        error = _dialect(scope["path"])
         headers: dict[bytes, bytes] = {}
         for k, v in scope.get("headers") or []:
-            if k in headers and k in (b"authorization", b"content-length", b"transfer-encoding"):
-                return await json_error(400, f"duplicate {k.decode()} header", kind="bad_request")(
+            if k in headers and k in (
+                b"authorization",
+                b"x-api-key",
+                b"content-length",
+                b"transfer-encoding",
+            ):
+                return await error(400, f"duplicate {k.decode()} header", kind="bad_request")(
                     scope, receive, send
                 )
             headers[k] = v
         auth = headers.get(b"authorization", b"")
-        token = self.tokens.lookup(auth[7:].decode("latin-1")) if auth[:7].lower() == b"bearer " else None
+        secret = auth[7:] if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key")  # Anthropic's SDKs
+        token = self.tokens.lookup(secret.decode("latin-1")) if secret is not None else None
         if token is None and _is_view(scope["path"]):
-            secret, from_query = _view_secret(scope, headers)
-            token = self.tokens.lookup(secret) if secret else None
+            view_secret, from_query = _view_secret(scope, headers)
+            token = self.tokens.lookup(view_secret) if view_secret else None
             if token is not None and from_query:  # once: into a cookie, out of the address bar
-                return await _to_cookie(scope, send, secret)
+                return await _to_cookie(scope, send, view_secret)
         if token is None:
-            return await json_error(401, "unauthorized", kind="unauthorized")(scope, receive, send)
+            return await error(401, "unauthorized", kind="unauthorized")(scope, receive, send)
         needed = needed_scope(scope["path"])
         if not allows(token.scope, needed):
-            return await json_error(
+            return await error(
                 403,
                 f"this route needs a token of scope {needed!r}; this one is {token.scope!r}",
                 kind="forbidden",
             )(scope, receive, send)
         scope.setdefault("state", {})["token"] = token.name
         if b"content-length" in headers and b"transfer-encoding" in headers:
-            return await json_error(
+            return await error(
                 400, "Content-Length and Transfer-Encoding together are refused", kind="bad_request"
             )(scope, receive, send)
-        too_large = json_error(
+        too_large = error(
             413, f"request body over the server's limit of {self.max} bytes (journeyman serve --max-body-mb)"
         )
         declared = headers.get(b"content-length")
@@ -124,7 +131,7 @@ class Guard:
             try:
                 message = await asyncio.wait_for(receive(), self.body_timeout_s)
             except TimeoutError:
-                return await json_error(
+                return await error(
                     408, f"no body bytes for {self.body_timeout_s:g} s", kind="request_timeout"
                 )(scope, receive, send)
             messages.append(message)
@@ -220,6 +227,15 @@ class HeaderTimeoutH11(H11Protocol):
         self._head_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()
+
+
+def _dialect(path: str) -> Callable[..., JSONResponse]:
+    """How the route at `path` shapes an error: Anthropic's for `/v1/messages`, else OpenAI's."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        from journeyman.serving.messages_api import anthropic_error
+
+        return lambda status, message, param=None, kind="", **_: anthropic_error(status, message, param, kind)
+    return json_error
 
 
 def token_book(tokens: TokenBook | str) -> TokenBook:

@@ -274,10 +274,18 @@ def error_response(
     )
 
 
+ErrorResponse = Callable[[int, str, str | None, str], JSONResponse]
+"""(status, message, field, OpenAI error type) -> the error as a route's dialect sends it."""
+
+
 async def handle_json(
-    request: Request, handle: Callable[[dict[str, Any], str | None], Awaitable[Any]]
+    request: Request,
+    handle: Callable[[dict[str, Any], str | None], Awaitable[Any]],
+    *,
+    error: ErrorResponse = error_response,
 ) -> Any:
-    """Parse a JSON-object body, run `handle(body, capture_id)`, map our errors to OpenAI's 404/400 (503: engine down)."""
+    """Parse a JSON-object body, run `handle(body, capture_id)`, map our errors to 404/400 (503:
+    engine down, 504: engine timeout), shaped by `error` (OpenAI's by default)."""
     try:
         raw = await request.body()
         body = (
@@ -285,10 +293,10 @@ async def handle_json(
         )
         return await handle(body, request.headers.get(CAPTURE_HEADER))
     except UnknownModelError as e:
-        return error_response(404, str(e), "model", "model_not_found")
+        return error(404, str(e), "model", "model_not_found")
     except InvalidFieldError as e:
-        return error_response(400, str(e), e.field)
+        return error(400, str(e), e.field, "invalid_request_error")
     except EngineDownError as e:  # a 503 the client may retry: another replica (or a restart) serves it
-        return error_response(503, str(e), None, "engine_down")
+        return error(503, str(e), None, "engine_down")
     except EngineTimeoutError as e:
-        return error_response(504, str(e), None, "engine_timeout")
+        return error(504, str(e), None, "engine_timeout")
