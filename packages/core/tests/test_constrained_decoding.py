@@ -178,7 +178,7 @@ async def test_tools_and_a_response_schema_at_once(served: tuple[Any, Any]) -> N
         {"model": model.name, "messages": [], "tools": [LOOKUP], "response_format": _format(ANSWER)}
     )
     params: SamplingParams = _sampling_params(request, 40, _constraint(request, family))
-    assert params.constraint is not None and len(params.constraint) == 6
+    assert params.constraint is not None and len(params.constraint.shapes) == 2
     cache = GrammarCache(service.policy.tokenizer, service.policy.model.config.vocab_size)
     as_call = (
         family.call_open

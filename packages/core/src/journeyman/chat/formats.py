@@ -394,6 +394,9 @@ class ChatFormat:
         tools); malformed tool-call text stays content."""
         if not tools and not self.family.reasoning:
             return ParsedTurn(text, None, [])
+        special = self.family.parse_special(text) if tools and self.family.parse_special else None
+        if special is not None:
+            return ParsedTurn(special[0], None, special[1])
         try:
             parsed = self.tokenizer.parse_response(text, self._parse_spec[tools], prefix=PARSE_ANCHOR)
         except (ValueError, KeyError):  # the parser's word for malformed JSON or a missing key
