@@ -574,3 +574,43 @@ async def test_qwen3_reasoning_comes_back_as_responses_reasoning_items() -> None
     )
     answer = response_from_chat(second, again, "resp_2")["output"]
     assert [i["type"] for i in answer] == ["reasoning", "message"]
+
+
+def test_gemma3_speaks_googles_function_calling_format() -> None:
+    """Gemma 3's template has no tools: Google's documented prompt lists them, the model answers
+    `[get_weather(city="Paris")]`, results come back in ```tool_output``` blocks; a forced call's
+    grammar writes that syntax, and the sampled call splices back token-exact."""
+    from journeyman.engine.grammar import GrammarCache
+    from journeyman.serving.endpoint import ChatCompletionRequest, _constraint, _sampling_params
+
+    fmt = _template_of("gemma3")
+    ids, turn = _sampled_turn(fmt, '[get_weather(city="Paris")]', "<end_of_turn>")
+    assert turn.content is None and turn.tool_calls == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    ]
+    prompt, again, spliced = _served_again(fmt, ids, turn.tool_calls, '{"temp": 20}')
+    assert "[func_name1(params_name1=params_value1" in fmt.decode(prompt)
+    assert spliced == 1 and again[: len(prompt) + len(ids)] == prompt + ids
+    assert '```tool_output\n{"temp": 20}\n```' in fmt.decode(again)
+
+    two = fmt.parse('[get_weather(city="Oslo"), get_time(zone="CET", exact=true)]')
+    assert [(c["name"], json.loads(c["arguments"])) for c in two.tool_calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {"zone": "CET", "exact": True}),
+    ]
+    for text in ("It is [warm] today.", "[get_weather(city=Paris)]", "[os.system('ls') + 1]"):
+        assert fmt.parse(text).tool_calls == [] and fmt.parse(text).content == text
+
+    request = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [], "tools": TOOLS, "tool_choice": "required"}
+    )
+    params = _sampling_params(request, 64, _constraint(request, fmt.family))
+    assert params.constraint is not None
+    cache = GrammarCache(fmt.tokenizer, len(fmt.tokenizer))
+    for text, admitted in (
+        ('[get_weather(city="Paris")]', True),
+        ('[get_weather(city="Rome")]', False),  # the enum of cities
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', False),
+    ):
+        matcher = cache.matcher(params.constraint)
+        assert (matcher.accept_string(text) and matcher.is_completed()) == admitted, text

@@ -1,6 +1,8 @@
 """Tool calls written as Python calls (`name(city="Paris", days=2)`): Llama 3.1's built-in tools
-(`brave_search.call(query="...")`) and Gemma 3's `tool_code` blocks. Read with `ast`, never run:
-only keyword arguments with literal values are a call; anything else is text."""
+(`brave_search.call(query="...")`) and Gemma 3's `[f(a=1), g()]`. Read with `ast`, never run: only
+keyword arguments with literal values are a call; anything else is text. Values are written as JSON
+writes them (`"Paris"`, `true`, `null`), which is what a grammar built from the tool's JSON schema
+admits, and read as either JSON's or Python's literals."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def parse_python_call(text: str) -> tuple[str, dict[str, Any]] | None:
         if kw.arg is None:  # **kwargs
             return None
         try:
-            arguments[kw.arg] = ast.literal_eval(kw.value)
+            arguments[kw.arg] = ast.literal_eval(_json_names(kw.value))
         except (ValueError, SyntaxError, TypeError):
             return None
     try:
@@ -37,6 +39,21 @@ def parse_python_call(text: str) -> tuple[str, dict[str, Any]] | None:
     except (TypeError, ValueError):  # a set, bytes or a complex number: not JSON arguments
         return None
     return name, arguments
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _json_names(node: ast.expr) -> ast.expr:
+    """The value with JSON's `true`/`false`/`null` names turned into Python constants."""
+
+    class _Names(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.AST:
+            if node.id in _JSON_NAMES:
+                return ast.copy_location(ast.Constant(_JSON_NAMES[node.id]), node)
+            return node
+
+    return _Names().visit(node)
 
 
 def _dotted(node: ast.expr) -> str | None:
@@ -49,18 +66,9 @@ def _dotted(node: ast.expr) -> str | None:
 
 
 def python_call(name: str, arguments: dict[str, Any]) -> str:
-    """`name(k=v, ...)` with each value as Python writes its literal."""
-    return f"{name}(" + ", ".join(f"{k}={python_literal(v)}" for k, v in arguments.items()) + ")"
+    """`name(k=v, ...)` with each value written as compact JSON (the forced-call grammar's form)."""
+    return f"{name}(" + ", ".join(f"{k}={_json(v)}" for k, v in arguments.items()) + ")"
 
 
-def python_literal(value: Any) -> str:
-    """A JSON value as a Python literal (True/False/None; strings double-quoted as JSON quotes them)."""
-    if value is None or isinstance(value, bool):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, list):
-        return "[" + ", ".join(python_literal(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))}: {python_literal(v)}" for k, v in value.items()) + "}"
-    return json.dumps(value)
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)

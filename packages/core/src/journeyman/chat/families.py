@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from journeyman.chat._pythonic import parse_python_call
+from journeyman.engine.grammar import python_kwargs_schema
 from journeyman.errors import InvalidFieldError
 
 Shape = tuple[str, str, str]  # (prefix, JSON schema, suffix), as `engine.base.Shape`
@@ -199,6 +200,8 @@ class ChatFamily:
     parse_special: Callable[[str], tuple[str | None, Calls] | None] | None = field(default=None, repr=False)
     # the call's prefix names the tool (`[TOOL_CALLS]{name}[ARGS]`) and the JSON is its arguments
     named_prefix: str | None = None
+    # the arguments are a Python call's keywords (`city="Paris"`), not a JSON object
+    python_kwargs: bool = False
 
     def call_id(self) -> str:
         return _mistral_call_id() if self.mistral_ids else _openai_call_id()
@@ -219,14 +222,12 @@ class ChatFamily:
         """The grammar shapes of one call of any of `tools` (OpenAI function tools): one JSON shape
         naming the tool inside, or, for a syntax that names it outside the JSON, one per tool."""
         if self.named_prefix is not None:
-            return [
-                (
-                    self.named_prefix.format(name=t["function"]["name"]),
-                    json.dumps(t["function"].get("parameters") or {"type": "object"}),
-                    self.call_close,
-                )
-                for t in tools
-            ]
+            shapes: list[Shape] = []
+            for t in tools:
+                parameters = t["function"].get("parameters") or {"type": "object"}
+                schema = python_kwargs_schema(parameters) if self.python_kwargs else json.dumps(parameters)
+                shapes.append((self.named_prefix.format(name=t["function"]["name"]), schema, self.call_close))
+            return shapes
         options = [self.call_schema(t) for t in tools]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         return [(self.call_open, json.dumps(schema), self.call_close)]
@@ -277,9 +278,14 @@ FAMILIES: dict[str, ChatFamily] = {
         ChatFamily(
             "gemma3",
             "Gemma 3",
-            _hermes_template(reasoning=False),
+            {"start_anchor": PARSE_ANCHOR, "fields": {"content": _TEXT}},
+            call_open="[",
+            call_close=")]",
             end_of_turn=("<end_of_turn>", "<eos>"),
             native_tools=False,
+            parse_special=_pythonic_list,
+            named_prefix="[{name}(",
+            python_kwargs=True,
         ),
     )
 }

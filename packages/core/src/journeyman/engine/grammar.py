@@ -30,6 +30,13 @@ if TYPE_CHECKING:
 
 SCHEMA_FIELD = "response_format.json_schema.schema"
 COMPILE_TIMEOUT_S = 10.0
+PYTHON_KWARGS = "x-journeyman-python-kwargs"
+"""A shape's schema `{PYTHON_KWARGS: <parameters schema>}` stands for a Python call's keyword arguments
+(`city="Paris", days=2`, each value compact JSON) instead of one JSON object: Gemma 3's calls."""
+
+
+def python_kwargs_schema(parameters: dict[str, Any]) -> str:
+    return json.dumps({PYTHON_KWARGS: parameters})
 
 
 def wrapped_grammar(prefix: str, schema: str, suffix: str) -> Any:
@@ -39,11 +46,34 @@ def wrapped_grammar(prefix: str, schema: str, suffix: str) -> Any:
     """
     import xgrammar as xgr
 
-    parts = [xgr.Grammar.from_json_schema(schema, any_whitespace=False)]
+    parts = [_body_grammar(schema)]
     if prefix:
         parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}"))
     if suffix:
         parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}"))
+    return xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
+
+
+def _body_grammar(schema: str) -> Any:
+    """Compact JSON matching `schema`, or a Python call's keyword arguments (`PYTHON_KWARGS`): the
+    required parameters in their listed order, `name=<JSON value>`, comma-separated (optional ones
+    are left out: a forced call writes what it must)."""
+    import xgrammar as xgr
+
+    parsed = json.loads(schema)
+    if not (isinstance(parsed, dict) and PYTHON_KWARGS in parsed):
+        return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    parameters: dict[str, Any] = parsed[PYTHON_KWARGS] or {}
+    properties: dict[str, Any] = parameters.get("properties") or {}
+    required = [k for k in properties if k in (parameters.get("required") or [])]
+    defs = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
+    parts = []
+    for n, name in enumerate(required):
+        parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps((', ' if n else '') + name + '=')}"))
+        value = properties[name] if isinstance(properties[name], dict) else {}
+        parts.append(xgr.Grammar.from_json_schema(json.dumps({**value, **defs}), any_whitespace=False))
+    if not parts:
+        return xgr.Grammar.from_ebnf('root ::= ""')
     return xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
 
 
