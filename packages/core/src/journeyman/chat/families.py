@@ -4,17 +4,19 @@ A family is detected from the tokenizer's own chat template (markers only that f
 has) and can be named instead with `ModelConfig.chat_format`. Rendering always goes through a
 chat template (`chat_format.py`); what differs per family is the text the model writes back:
 
-| family  | models                         | a call as the model writes it                          |
-|---------|--------------------------------|--------------------------------------------------------|
-| hermes  | Qwen2.5, SmolLM2, the fallback | `<tool_call>\\n{"name": .., "arguments": {..}}\\n</tool_call>` |
-| qwen3   | Qwen3 (reasoning)              | `<think>..</think>` then Hermes calls                  |
-| llama3  | Llama 3.1 / 3.2 / 3.3          | `{"name": .., "parameters": {..}}` (`<|python_tag|>` optional) |
-| mistral | Mistral v0.3, Nemo, Small      | `[TOOL_CALLS][{"name": .., "arguments": {..}}]`        |
-| gemma3  | Gemma 3 (no tools in template) | Hermes calls inside Gemma's own turns                   |
+| family      | models                             | a call as the model writes it                          |
+|-------------|------------------------------------|--------------------------------------------------------|
+| hermes      | Qwen2.5, SmolLM2, the fallback     | `<tool_call>\\n{"name": .., "arguments": {..}}\\n</tool_call>` |
+| qwen3       | Qwen3 (reasoning)                  | `<think>..</think>` then Hermes calls; grammars after `</think>` |
+| llama3      | Llama 3.1 / 3.2 / 3.3              | `{"name": .., "parameters": {..}}` (`<|python_tag|>` optional); built-in tools `<|python_tag|>brave_search.call(query="..")`, raw code = `code_interpreter`, `<|eom_id|>` |
+| mistral     | Mistral v0.3, Nemo, Small 3.0      | `[TOOL_CALLS][{"name": .., "arguments": {..}}]`        |
+| mistral_v11 | Small 3.2, Magistral, Devstral     | `[TOOL_CALLS]name[ARGS]{..}` (template writes `[ARGS]`) |
+| gemma3      | Gemma 3 (no tools in template)     | `[name(k=<json>, ..)]`, Google's documented function calling |
 
 Parsing runs on transformers' declarative response parser (`transformers.utils.chat_parsing`),
 the one transformers' own server uses, with a response template per family written here (the
-ones transformers ships are private to its server and cover Qwen and Gemma 4 only).
+ones transformers ships are private to its server and cover Qwen and Gemma 4 only); syntaxes it
+cannot express (Python-style calls, a name outside the JSON) are read by `parse_special` first.
 """
 
 from __future__ import annotations
