@@ -10,6 +10,7 @@ import jsonschema
 import openai
 import pytest
 import torch
+from journeyman.engine.base import Constraint
 from journeyman.engine.grammar import SCHEMA_FIELD, GrammarCache
 from journeyman.errors import InvalidFieldError
 
@@ -93,7 +94,7 @@ async def test_mask_allows_only_grammar_tokens(served: tuple[Any, Any]) -> None:
     cache = GrammarCache(tokenizer, vocab, capacity=2)
     schema = json.dumps({"type": "object", "properties": {"v": {"type": "string", "enum": ["alpha"]}}})
 
-    matcher = cache.matcher(("", schema, ""))
+    matcher = cache.matcher(Constraint((("", schema, ""),)))
     logits = torch.zeros(2, vocab + 3)  # a padded LM head: 3 ids beyond the tokenizer
     cache.mask(matcher, logits, row=1)
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
@@ -107,11 +108,11 @@ async def test_mask_allows_only_grammar_tokens(served: tuple[Any, Any]) -> None:
     assert matcher.is_completed()
 
     for k in range(3):  # bounded cache: the oldest schema is dropped
-        cache.compile(("", json.dumps({"type": "integer", "enum": [k]}), ""))
+        cache.compile(Constraint((("", json.dumps({"type": "integer", "enum": [k]}), ""),)))
     assert schema not in cache._compiled and len(cache._compiled) == 2
 
     with pytest.raises(InvalidFieldError) as err:
-        cache.compile(("", "{not json", ""))
+        cache.compile(Constraint((("", "{not json", ""),)))
     assert err.value.field == SCHEMA_FIELD
 
 
@@ -178,7 +179,7 @@ async def test_tools_and_a_response_schema_at_once(served: tuple[Any, Any]) -> N
         {"model": model.name, "messages": [], "tools": [LOOKUP], "response_format": _format(ANSWER)}
     )
     params: SamplingParams = _sampling_params(request, 40, _constraint(request, family))
-    assert params.constraint is not None and len(params.constraint) == 6
+    assert params.constraint is not None and len(params.constraint.shapes) == 2
     cache = GrammarCache(service.policy.tokenizer, service.policy.model.config.vocab_size)
     as_call = (
         family.call_open

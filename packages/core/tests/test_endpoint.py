@@ -722,11 +722,14 @@ def test_a_schema_that_compiles_too_long_is_refused_by_name_and_not_compiled_aga
     the same schema is then refused at once, while other schemas still compile."""
     import time
 
+    from journeyman.engine.base import Constraint
     from journeyman.engine.grammar import SCHEMA_FIELD, GrammarCache
 
     tok = chat_format.tokenizer
     cache = GrammarCache(tok, len(tok), compile_timeout_s=0.1)
-    slow = ("", json.dumps({"type": "string", "minLength": 900, "maxLength": 1000}), "")  # ~1.5 s on 2 cores
+    slow = Constraint(
+        (("", json.dumps({"type": "string", "minLength": 900, "maxLength": 1000}), ""),)
+    )  # ~1.5 s on 2 cores
     with pytest.raises(jm.InvalidFieldError, match="to compile") as e:
         cache.compile(slow)
     assert e.value.field == SCHEMA_FIELD
@@ -735,7 +738,7 @@ def test_a_schema_that_compiles_too_long_is_refused_by_name_and_not_compiled_aga
         cache.compile(slow)
     assert time.perf_counter() - t0 < 0.05  # remembered, not compiled again
     cache.compile_timeout_s = 30.0
-    assert cache.compile(("", json.dumps({"type": "object"}), "")) is not None
+    assert cache.compile(Constraint((("", json.dumps({"type": "object"}), ""),))) is not None
 
 
 async def test_a_stream_sends_text_as_it_is_sampled(served) -> None:

@@ -8,6 +8,7 @@ the cache; no hub is reached. The weights are random, built from a config of eac
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -112,6 +113,7 @@ def tiny_model_dir(family: str) -> Path:
     return out
 
 
+@functools.cache
 def _template_of(family: str) -> ChatFormat:
     from transformers import AutoTokenizer
 
@@ -267,6 +269,12 @@ async def family_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
                     temperature=1.0,
                     seed=seed * 10 + turn,
                     max_tokens=128 if forced else 6,
+                    # Qwen3 thinking on leaves the <think> block free before a forced call, and a
+                    # random model never closes it: its forced turns think off here (the grammar
+                    # after thinking: test_qwen3_forced_call_grammar_starts_after_the_reasoning_block)
+                    extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+                    if forced and family == "qwen3"
+                    else None,
                 )
                 choice = out.choices[0]
                 traj.messages_and_choices.append(choice)
@@ -318,3 +326,297 @@ def test_a_step_trains_on_the_logprobs_the_engine_recorded(family_run: FamilyRun
     """One step's teacher-forced logprobs match the recorded ones (fp32)."""
     assert family_run.result.step == 1
     assert family_run.result.metrics["engine_trainer_logprob_gap"] < 1e-3
+
+
+# -- each family's own dialect, both ways (tokenizer only: render, sampled ids parsed, re-rendered) --
+
+TEMPLATES = Path(__file__).parent / "templates"
+_PARIS = {"role": "user", "content": "Weather in Paris?"}
+
+
+def _sampled_turn(fmt: ChatFormat, text: str, end: str) -> tuple[list[int], Any]:
+    """A turn as an engine samples it (the text's ids, then the end token) and what it parses to."""
+    ids = [*fmt.encode(text), fmt.tokenizer.convert_tokens_to_ids(end)]
+    return ids, fmt.parse(fmt.completion_text(ids))
+
+
+def _served_again(
+    fmt: ChatFormat, turn_ids: list[int], calls: list[dict[str, Any]], result: str, **kwargs: Any
+) -> tuple[list[int], list[int], int]:
+    """(first prompt, next prompt, turns spliced): the sampled call sent back as a client would
+    (OpenAI message, a result after it), rendered with the sampled ids spliced in."""
+    user = normalize_messages([{"role": "system", "content": "Be brief."}, _PARIS])
+    prompt, _ = fmt.prompt_ids(user, TOOLS, **kwargs)
+    message_calls = [{"id": fmt.family.call_id(), "type": "function", "function": c} for c in calls]
+    turns = SampledTurns()
+    turns.add(None, message_calls, turn_ids)
+    loop = normalize_messages(
+        [
+            *user,
+            {"role": "assistant", "content": None, "tool_calls": message_calls},
+            {"role": "tool", "tool_call_id": message_calls[0]["id"], "content": result},
+        ]
+    )
+    again, spliced = fmt.prompt_ids(loop, TOOLS, turns, **kwargs)
+    return prompt, again, spliced
+
+
+@functools.cache
+def _llama31() -> ChatFormat:
+    """Llama 3.1's published chat template (built-in tools, `<|eom_id|>`) on the Llama 3 tokenizer
+    that 3.1 and 3.2 share."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama3"))
+    tok.chat_template = (TEMPLATES / "llama3_1.jinja").read_text()
+    return ChatFormat(tok)
+
+
+def test_llama31_builtin_tools_round_trip_token_exact() -> None:
+    fmt = _llama31()
+    assert fmt.family.name == "llama3"
+    builtin = {"template_kwargs": {"builtin_tools": ["brave_search", "wolfram_alpha"]}}
+    for text, name, arguments in (
+        (
+            '<|python_tag|>brave_search.call(query="weather in Paris")',
+            "brave_search",
+            {"query": "weather in Paris"},
+        ),
+        ('<|python_tag|>wolfram_alpha.call(query="20C in F")', "wolfram_alpha", {"query": "20C in F"}),
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "get_weather", {"city": "Paris"}),
+    ):
+        ids, turn = _sampled_turn(fmt, text, "<|eom_id|>")  # ipython mode ends a call with eom
+        assert turn.content is None
+        assert [(c["name"], json.loads(c["arguments"])) for c in turn.tool_calls] == [(name, arguments)]
+        prompt, again, spliced = _served_again(fmt, ids, turn.tool_calls, '{"temp": 20}', **builtin)
+        assert "Tools: brave_search, wolfram_alpha" in fmt.decode(prompt)
+        # the template writes the call (and its <|eom_id|>) exactly as sampled: one row, token-exact
+        assert spliced == 1 and again[: len(prompt) + len(ids)] == prompt + ids, fmt.decode(again)
+    # a custom call after the tag, and raw code (Llama's code interpreter) parse too
+    tagged = fmt.parse('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert tagged.tool_calls == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    code = fmt.parse("<|python_tag|>import math\nprint(math.pi)")
+    assert code.tool_calls == [
+        {"name": "code_interpreter", "arguments": json.dumps({"code": "import math\nprint(math.pi)"})}
+    ]
+    assert fmt.parse("It is 20C.").tool_calls == []
+
+
+async def test_llama31_builtin_calls_are_served_as_openai_tool_calls() -> None:
+    """Through the endpoint: a `builtin_tools` request (no `tools` list needed) gets the built-in
+    call back as an OpenAI tool call, finish `tool_calls`, the record ending in `<|eom_id|>`."""
+    from journeyman.engine.scripted import ScriptedEngine
+    from journeyman.serving.endpoint import Endpoint
+
+    fmt = _llama31()
+    eom = fmt.tokenizer.convert_tokens_to_ids("<|eom_id|>")
+    reply = [*fmt.encode('<|python_tag|>brave_search.call(query="weather in Paris")'), eom]
+    endpoint = Endpoint(ScriptedEngine(fmt, [reply]), fmt, "m")
+    out = await endpoint.chat_completion(
+        {"model": "m", "messages": [_PARIS], "chat_template_kwargs": {"builtin_tools": ["brave_search"]}}
+    )
+    [choice] = out["choices"]
+    [call] = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and choice["journeyman"]["token_ids"] == reply
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == (
+        "brave_search",
+        {"query": "weather in Paris"},
+    )
+
+
+MISTRAL_V11_TEMPLATE = """{{- bos_token }}
+{%- if messages[0]['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + messages[0]['content'] + '[/SYSTEM_PROMPT]' }}{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}
+{%- if tools %}{{- '[AVAILABLE_TOOLS]' + tools|tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}
+{%- for message in loop_messages %}
+{%- if message['role'] == 'user' %}{{- '[INST]' + message['content'] + '[/INST]' }}
+{%- elif message['role'] == 'assistant' %}
+{%- if message['content'] %}{{- message['content'] }}{%- endif %}
+{%- for tool in message['tool_calls'] or [] %}{%- set arguments = tool['function']['arguments'] %}{%- if arguments is not string %}{%- set arguments = arguments|tojson %}{%- endif %}{{- '[TOOL_CALLS]' + tool['function']['name'] + '[ARGS]' + arguments }}{%- endfor %}
+{{- eos_token }}
+{%- elif message['role'] == 'tool' %}{{- '[TOOL_RESULTS]' + message['content'] + '[/TOOL_RESULTS]' }}
+{%- endif %}
+{%- endfor %}"""
+
+
+@functools.cache
+def _mistral_v11() -> ChatFormat:
+    """Mistral's tekken tokenizer (Nemo's) with the v11+ control tokens and chat template shape of
+    Mistral Small 3.2 / Magistral / Devstral: `[TOOL_CALLS]name[ARGS]{..}`. No v11 tokenizer is
+    published where this machine can fetch it; the template is written here after the published one."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("mistral"))
+    tok.add_special_tokens({"additional_special_tokens": ["[ARGS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]})
+    tok.chat_template = MISTRAL_V11_TEMPLATE
+    return ChatFormat(tok)
+
+
+def test_mistral_both_call_syntaxes_are_detected_forced_and_parsed() -> None:
+    from journeyman.engine.grammar import GrammarCache
+    from journeyman.serving.endpoint import ChatCompletionRequest, _constraint, _sampling_params
+
+    old, new = _template_of("mistral"), _mistral_v11()
+    assert (old.family.name, new.family.name) == ("mistral", "mistral_v11")
+    two_tools = [
+        *TOOLS,
+        {
+            "type": "function",
+            "function": {
+                "name": "get_time",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"zone": {"type": "string"}},
+                    "required": ["zone"],
+                },
+            },
+        },
+    ]
+    written = {
+        "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        "mistral_v11": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+    }
+    for fmt in (old, new):
+        request = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [], "tools": two_tools, "tool_choice": "required"}
+        )
+        params = _sampling_params(request, 64, _constraint(request, fmt.family))
+        assert params.constraint is not None
+        # the new syntax names the tool outside the JSON: one grammar shape per tool
+        assert len(params.constraint.shapes) == (2 if fmt is new else 1)
+        cache = GrammarCache(fmt.tokenizer, len(fmt.tokenizer))
+        for text in written.values():
+            matcher = cache.matcher(params.constraint)
+            ok = matcher.accept_string(text) and matcher.is_completed()
+            assert ok == (text == written[fmt.family.name]), (fmt.family.name, text)
+        other = cache.matcher(params.constraint)
+        assert fmt is old or other.accept_string('[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}')
+
+        ids, turn = _sampled_turn(fmt, written[fmt.family.name], "</s>")
+        assert [(c["name"], json.loads(c["arguments"])) for c in turn.tool_calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+        if fmt is new:  # prefix-stable (tools before the first turn): the call splices token-exact
+            prompt, again, spliced = _served_again(fmt, ids, turn.tool_calls, '{"temp": 20}')
+            assert spliced == 1 and again[: len(prompt) + len(ids)] == prompt + ids
+    # several calls, and text before them, in the new syntax
+    many = new.parse(
+        'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}'
+    )
+    assert many.content == "Checking." and [c["name"] for c in many.tool_calls] == ["get_weather", "get_time"]
+    assert new.parse('[TOOL_CALLS]get_weather[ARGS]{"city": ').tool_calls == []  # cut short: text
+
+
+def _qwen3_endpoint(script: Any) -> tuple[Any, ChatFormat, Any]:
+    from journeyman.engine.scripted import ScriptedEngine
+    from journeyman.serving.endpoint import Endpoint
+
+    fmt = _template_of("qwen3")
+    engine = ScriptedEngine(fmt, script)
+    return Endpoint(engine, fmt, "m"), fmt, engine
+
+
+QWEN3_CALL = (
+    "<think>\nParis: get_weather.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+
+
+async def test_qwen3_forced_call_grammar_starts_after_the_reasoning_block() -> None:
+    from journeyman.engine.grammar import GrammarCache
+
+    endpoint, fmt, engine = _qwen3_endpoint([QWEN3_CALL])
+    ask = {"model": "m", "messages": [_PARIS], "tools": TOOLS, "tool_choice": "required"}
+    out = await endpoint.chat_completion(ask)
+    message = out["choices"][0]["message"]
+    assert message["reasoning_content"] == "Paris: get_weather." and message["tool_calls"]
+    params = engine.requests[-1][1]
+    assert params.constraint is not None and params.constraint.reasoning == ("<think>", "</think>\n\n")
+    cache = GrammarCache(fmt.tokenizer, len(fmt.tokenizer))
+    call_only = QWEN3_CALL.split("</think>\n\n")[1]
+    for text, admitted in (
+        (QWEN3_CALL, True),  # free thinking, then the forced call
+        (call_only, False),  # the grammar does not skip the thinking the template asks for
+        ("<think>\nno call</think>\n\nIt is 20C.", False),  # after thinking, only the call
+    ):
+        matcher = cache.matcher(params.constraint)
+        assert (matcher.accept_string(text) and matcher.is_completed()) == admitted, text
+    # the same with a response schema; thinking off (an empty block in the prompt): no reasoning first
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    await endpoint.chat_completion({**ask, "tool_choice": "auto", "response_format": schema})
+    assert engine.requests[-1][1].reasoning == ("<think>", "</think>\n\n")
+    await endpoint.chat_completion({**ask, "chat_template_kwargs": {"enable_thinking": False}})
+    off = engine.requests[-1][1].constraint
+    assert off is not None and off.reasoning is None
+
+
+async def test_qwen3_reasoning_comes_back_as_responses_reasoning_items() -> None:
+    from journeyman.serving.responses_api import chat_request, response_from_chat
+
+    endpoint, _, _ = _qwen3_endpoint([QWEN3_CALL, "<think>\nDone.\n</think>\n\nIt is 20C."])
+    body = {
+        "model": "m",
+        "input": "Weather in Paris?",
+        "tools": [{"type": "function", **TOOLS[0]["function"]}],
+    }
+    first = response_from_chat(await endpoint.chat_completion(chat_request(body)), body, "resp_1")
+    reasoning, call = first["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Paris: get_weather."}]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    # the output items sent back as input (as the Agents SDK does): the sampled turn splices back
+    again = {
+        **body,
+        "input": [
+            {"role": "user", "content": "Weather in Paris?"},
+            *first["output"],
+            {"type": "function_call_output", "call_id": call["call_id"], "output": "20C"},
+        ],
+    }
+    second = await endpoint.chat_completion(chat_request(again))
+    record, before = second["choices"][0]["journeyman"], first["journeyman"][0]
+    assert record["spliced_turns"] == 1
+    assert record["prompt_token_ids"][: len(before["prompt_token_ids"]) + len(before["token_ids"])] == (
+        before["prompt_token_ids"] + before["token_ids"]
+    )
+    answer = response_from_chat(second, again, "resp_2")["output"]
+    assert [i["type"] for i in answer] == ["reasoning", "message"]
+
+
+def test_gemma3_speaks_googles_function_calling_format() -> None:
+    """Gemma 3's template has no tools: Google's documented prompt lists them, the model answers
+    `[get_weather(city="Paris")]`, results come back in ```tool_output``` blocks; a forced call's
+    grammar writes that syntax, and the sampled call splices back token-exact."""
+    from journeyman.engine.grammar import GrammarCache
+    from journeyman.serving.endpoint import ChatCompletionRequest, _constraint, _sampling_params
+
+    fmt = _template_of("gemma3")
+    ids, turn = _sampled_turn(fmt, '[get_weather(city="Paris")]', "<end_of_turn>")
+    assert turn.content is None and turn.tool_calls == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    ]
+    prompt, again, spliced = _served_again(fmt, ids, turn.tool_calls, '{"temp": 20}')
+    assert "[func_name1(params_name1=params_value1" in fmt.decode(prompt)
+    assert spliced == 1 and again[: len(prompt) + len(ids)] == prompt + ids
+    assert '```tool_output\n{"temp": 20}\n```' in fmt.decode(again)
+
+    two = fmt.parse('[get_weather(city="Oslo"), get_time(zone="CET", exact=true)]')
+    assert [(c["name"], json.loads(c["arguments"])) for c in two.tool_calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {"zone": "CET", "exact": True}),
+    ]
+    for text in ("It is [warm] today.", "[get_weather(city=Paris)]", "[os.system('ls') + 1]"):
+        assert fmt.parse(text).tool_calls == [] and fmt.parse(text).content == text
+
+    request = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [], "tools": TOOLS, "tool_choice": "required"}
+    )
+    params = _sampling_params(request, 64, _constraint(request, fmt.family))
+    assert params.constraint is not None
+    cache = GrammarCache(fmt.tokenizer, len(fmt.tokenizer))
+    for text, admitted in (
+        ('[get_weather(city="Paris")]', True),
+        ('[get_weather(city="Rome")]', False),  # the enum of cities
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', False),
+    ):
+        matcher = cache.matcher(params.constraint)
+        assert (matcher.accept_string(text) and matcher.is_completed()) == admitted, text

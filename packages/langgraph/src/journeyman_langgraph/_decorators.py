@@ -17,6 +17,7 @@ from langchain_core.language_models import BaseChatModel
 from langchain_core.runnables import Runnable, RunnableBinding
 
 from . import _capture as cap
+from . import _nested
 
 log = logging.getLogger("journeyman.langgraph")
 
@@ -46,6 +47,7 @@ class _EpisodeScope:
     def __init__(
         self, model: TrainableModel, name: str, on_error: OnError, error_reward: ErrorReward
     ) -> None:
+        _nested.install()  # chat models called in a marked node are served by `model` (`_nested`)
         self.name = name
         episode = Episode(model, on_error=on_error, error_reward=error_reward)
         episode.trajectory.metadata["episode"] = name

@@ -4,28 +4,37 @@ A family is detected from the tokenizer's own chat template (markers only that f
 has) and can be named instead with `ModelConfig.chat_format`. Rendering always goes through a
 chat template (`chat_format.py`); what differs per family is the text the model writes back:
 
-| family  | models                         | a call as the model writes it                          |
-|---------|--------------------------------|--------------------------------------------------------|
-| hermes  | Qwen2.5, SmolLM2, the fallback | `<tool_call>\\n{"name": .., "arguments": {..}}\\n</tool_call>` |
-| qwen3   | Qwen3 (reasoning)              | `<think>..</think>` then Hermes calls                  |
-| llama3  | Llama 3.1 / 3.2 / 3.3          | `{"name": .., "parameters": {..}}` (`<|python_tag|>` optional) |
-| mistral | Mistral v0.3, Nemo, Small      | `[TOOL_CALLS][{"name": .., "arguments": {..}}]`        |
-| gemma3  | Gemma 3 (no tools in template) | Hermes calls inside Gemma's own turns                   |
+| family      | models                             | a call as the model writes it                          |
+|-------------|------------------------------------|--------------------------------------------------------|
+| hermes      | Qwen2.5, SmolLM2, the fallback     | `<tool_call>\\n{"name": .., "arguments": {..}}\\n</tool_call>` |
+| qwen3       | Qwen3 (reasoning)                  | `<think>..</think>` then Hermes calls; grammars after `</think>` |
+| llama3      | Llama 3.1 / 3.2 / 3.3              | `{"name": .., "parameters": {..}}` (`<|python_tag|>` optional); built-in tools `<|python_tag|>brave_search.call(query="..")`, raw code = `code_interpreter`, `<|eom_id|>` |
+| mistral     | Mistral v0.3, Nemo, Small 3.0      | `[TOOL_CALLS][{"name": .., "arguments": {..}}]`        |
+| mistral_v11 | Small 3.2, Magistral, Devstral     | `[TOOL_CALLS]name[ARGS]{..}` (template writes `[ARGS]`) |
+| gemma3      | Gemma 3 (no tools in template)     | `[name(k=<json>, ..)]`, Google's documented function calling |
 
 Parsing runs on transformers' declarative response parser (`transformers.utils.chat_parsing`),
 the one transformers' own server uses, with a response template per family written here (the
-ones transformers ships are private to its server and cover Qwen and Gemma 4 only).
+ones transformers ships are private to its server and cover Qwen and Gemma 4 only); syntaxes it
+cannot express (Python-style calls, a name outside the JSON) are read by `parse_special` first.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from journeyman.chat._pythonic import parse_python_call
+from journeyman.engine.grammar import python_kwargs_schema
 from journeyman.errors import InvalidFieldError
+
+Shape = tuple[str, str, str]  # (prefix, JSON schema, suffix), as `engine.base.Shape`
+Calls = list[dict[str, Any]]  # [{"name": .., "arguments": "<json>"}]
 
 # The parser cuts the text at its start anchor; we hand it the model's output alone, after this.
 PARSE_ANCHOR = "\x00journeyman-completion\x00"
@@ -79,6 +88,87 @@ _MISTRAL_TEMPLATE: dict[str, Any] = {
 }
 
 
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def _llama3_builtin(text: str) -> tuple[str | None, Calls] | None:
+    """Llama 3.1's built-in tool calls, which its response template cannot read:
+    `<|python_tag|>brave_search.call(query="..")` (any `name.call(k="v")`), and raw Python after
+    the tag, which is a `code_interpreter` call. A JSON call after the tag is left to the template."""
+    head, tag, rest = text.partition(_PYTHON_TAG)
+    if not tag or rest.lstrip().startswith("{"):
+        return None
+    code = rest.strip()
+    parsed = parse_python_call(code) if re.match(r"^[A-Za-z_]\w*\.call\(", code) else None
+    name, arguments = parsed if parsed is not None else ("code_interpreter", {"code": code})
+    call = {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
+    return head.strip() or None, [call]
+
+
+_MISTRAL_ARGS_CALL = re.compile(r"\[TOOL_CALLS\]([^\[\]\s{]+)\[ARGS\]")
+
+
+def _mistral_args(text: str) -> tuple[str | None, Calls] | None:
+    """Calls as Mistral's v11+ tokenizers write them: `[TOOL_CALLS]name[ARGS]{..}`, repeated."""
+    first = _MISTRAL_ARGS_CALL.search(text)
+    if first is None:
+        return None
+    calls, at, decoder = [], first.start(), json.JSONDecoder()
+    while at < len(text):
+        m = _MISTRAL_ARGS_CALL.match(text, at)
+        if m is None:
+            if text[at:].strip():
+                return None  # text after a call: not a well-formed turn
+            break
+        try:
+            arguments, end = decoder.raw_decode(text, m.end())
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(arguments, dict):
+            return None
+        calls.append({"name": m.group(1), "arguments": json.dumps(arguments, ensure_ascii=False)})
+        at = end
+    return text[: first.start()].strip() or None, calls
+
+
+def _pythonic_list(text: str) -> tuple[str | None, Calls] | None:
+    """Gemma 3's documented call syntax: the whole answer is `[f(a=1, b="x"), g()]`."""
+    body = text.strip()
+    if not (body.startswith("[") and body.endswith(")]")):
+        return None
+    calls = []
+    for part in _split_top_level(body[1:-1]):
+        parsed = parse_python_call(part)
+        if parsed is None:
+            return None
+        calls.append({"name": parsed[0], "arguments": json.dumps(parsed[1], ensure_ascii=False)})
+    return (None, calls) if calls else None
+
+
+def _split_top_level(text: str) -> list[str]:
+    """`f(a=1), g(b=[1, 2])` -> the calls, split at commas outside brackets and strings."""
+    parts, depth, quote, start, k = [], 0, "", 0, 0
+    while k < len(text):
+        c = text[k]
+        if quote:
+            if c == "\\":
+                k += 1
+            elif c == quote:
+                quote = ""
+        elif c in "\"'":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(text[start:k])
+            start = k + 1
+        k += 1
+    parts.append(text[start:])
+    return [p for p in parts if p.strip()]
+
+
 def _openai_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
@@ -102,9 +192,18 @@ class ChatFamily:
     # end-of-turn tokens besides the tokenizer's eos (those the vocabulary has are stop tokens)
     end_of_turn: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
     mistral_ids: bool = False
-    # the template renders tools itself; False: tools and calls are written Hermes-style into the
-    # model's own turns (a template with no tool support)
+    # the template renders tools itself; False: tools and calls are written into the model's own
+    # turns (a template with no tool support), Hermes-style unless `calls_in_text` says otherwise
     native_tools: bool = True
+    # (open, close) of the reasoning block: a forced call or response schema starts after it
+    think: tuple[str, str] | None = None
+    # calls the response template cannot read (a syntax that is not JSON between markers), tried
+    # first: (content, calls), or None to leave the text to the response template
+    parse_special: Callable[[str], tuple[str | None, Calls] | None] | None = field(default=None, repr=False)
+    # the call's prefix names the tool (`[TOOL_CALLS]{name}[ARGS]`) and the JSON is its arguments
+    named_prefix: str | None = None
+    # the arguments are a Python call's keywords (`city="Paris"`), not a JSON object
+    python_kwargs: bool = False
 
     def call_id(self) -> str:
         return _mistral_call_id() if self.mistral_ids else _openai_call_id()
@@ -121,13 +220,33 @@ class ChatFamily:
             "required": ["name", self.arguments_key],
         }
 
+    def call_shapes(self, tools: list[dict[str, Any]]) -> list[Shape]:
+        """The grammar shapes of one call of any of `tools` (OpenAI function tools): one JSON shape
+        naming the tool inside, or, for a syntax that names it outside the JSON, one per tool."""
+        if self.named_prefix is not None:
+            shapes: list[Shape] = []
+            for t in tools:
+                parameters = t["function"].get("parameters") or {"type": "object"}
+                schema = python_kwargs_schema(parameters) if self.python_kwargs else json.dumps(parameters)
+                shapes.append((self.named_prefix.format(name=t["function"]["name"]), schema, self.call_close))
+            return shapes
+        options = [self.call_schema(t) for t in tools]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        return [(self.call_open, json.dumps(schema), self.call_close)]
+
 
 HERMES = ChatFamily("hermes", "Qwen2.5, SmolLM2, any ChatML model", _hermes_template(reasoning=False))
 FAMILIES: dict[str, ChatFamily] = {
     f.name: f
     for f in (
         HERMES,
-        ChatFamily("qwen3", "Qwen3", _hermes_template(reasoning=True), reasoning=True),
+        ChatFamily(
+            "qwen3",
+            "Qwen3",
+            _hermes_template(reasoning=True),
+            reasoning=True,
+            think=("<think>", "</think>\n\n"),
+        ),
         ChatFamily(
             "llama3",
             "Llama 3.1, 3.2, 3.3",
@@ -136,10 +255,11 @@ FAMILIES: dict[str, ChatFamily] = {
             call_close="",
             arguments_key="parameters",
             end_of_turn=("<|eot_id|>", "<|eom_id|>"),
+            parse_special=_llama3_builtin,
         ),
         ChatFamily(
             "mistral",
-            "Mistral 7B v0.3, Nemo, Small",
+            "Mistral 7B v0.3, Nemo, Small 3.0",
             _MISTRAL_TEMPLATE,
             call_open="[TOOL_CALLS][",
             call_close="]",
@@ -147,11 +267,27 @@ FAMILIES: dict[str, ChatFamily] = {
             mistral_ids=True,
         ),
         ChatFamily(
+            "mistral_v11",
+            "Mistral Small 3.2, Magistral, Devstral, Ministral 3 (v11+ tokenizers)",
+            {"start_anchor": PARSE_ANCHOR, "fields": {"content": _TEXT}},
+            call_open="[TOOL_CALLS]",
+            call_close="",
+            end_of_turn=("</s>",),
+            mistral_ids=True,
+            parse_special=_mistral_args,
+            named_prefix="[TOOL_CALLS]{name}[ARGS]",
+        ),
+        ChatFamily(
             "gemma3",
             "Gemma 3",
-            _hermes_template(reasoning=False),
+            {"start_anchor": PARSE_ANCHOR, "fields": {"content": _TEXT}},
+            call_open="[",
+            call_close=")]",
             end_of_turn=("<end_of_turn>", "<eos>"),
             native_tools=False,
+            parse_special=_pythonic_list,
+            named_prefix="[{name}(",
+            python_kwargs=True,
         ),
     )
 }
@@ -161,7 +297,7 @@ def detect_family(template: str | None) -> ChatFamily | None:
     """The family whose markers the chat template has, or None when none matches."""
     t = template or ""
     if "[TOOL_CALLS]" in t:
-        return FAMILIES["mistral"]
+        return FAMILIES["mistral_v11" if "[ARGS]" in t else "mistral"]
     if "<|start_header_id|>" in t and "tools" in t:
         return FAMILIES["llama3"]
     if "<start_of_turn>" in t:
@@ -199,4 +335,13 @@ def parse_calls(raw: Any) -> list[dict[str, Any]] | None:
     return calls
 
 
-__all__ = ["FAMILIES", "HERMES", "PARSE_ANCHOR", "ChatFamily", "detect_family", "family_named", "parse_calls"]
+__all__ = [
+    "FAMILIES",
+    "HERMES",
+    "PARSE_ANCHOR",
+    "ChatFamily",
+    "Shape",
+    "detect_family",
+    "family_named",
+    "parse_calls",
+]

@@ -12,9 +12,9 @@ Two jobs, one place:
   family's syntax (`chat_families.py`). Malformed tool-call text stays content.
 
 Which template renders: the model's own when it supports tools; for a ChatML model without tool
-support, the built-in ChatML + Hermes template; for any other template without tool support
-(Gemma 3, unknown families), the model's own turns with tools and calls written Hermes-style into
-the messages.
+support, the built-in ChatML + Hermes template; for Gemma 3 (no tools in its template), its own
+turns with Google's documented function-calling prompt and Python-style calls written into the
+messages; for any other template without tool support, the same with Hermes-style tools and calls.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from functools import cached_property
 from importlib import resources
 from typing import Any
 
+from journeyman.chat._pythonic import python_call
 from journeyman.chat.families import (
     FAMILIES,
     HERMES,
@@ -126,6 +127,15 @@ class ParsedTurn:
     tool_calls: list[dict[str, Any]]  # [{"name": .., "arguments": "<json>"}]
 
 
+# Google's documented Gemma 3 function-calling prompt (ai.google.dev/gemma/docs/capabilities/function-calling)
+_PYTHONIC_TOOLS = (
+    "You have access to functions. If you decide to invoke any of the function(s),\n you MUST put it in "
+    "the format of\n[func_name1(params_name1=params_value1, params_name2=params_value2...), "
+    "func_name2(params)]\n\nYou SHOULD NOT include any other text in the response if you call a "
+    "function\n{tools}"
+)
+
+
 def _hermes_call(call: dict[str, Any]) -> str:
     fn = call["function"]
     body = {"name": fn["name"], "arguments": fn["arguments"]}
@@ -164,6 +174,45 @@ def hermes_messages(messages: list[Message], tools: list[dict[str, Any]] | None)
             out.append(m)
         previous = m["role"]
     return out
+
+
+def pythonic_messages(messages: list[Message], tools: list[dict[str, Any]] | None) -> list[Message]:
+    """The conversation for Gemma 3, whose template has no tools: Google's function-calling prompt
+    with the tools' definitions before the system prompt, calls as the model's whole answer
+    `[f(a="x"), g()]` (values as compact JSON, as the forced-call grammar writes them), results as
+    a user turn of ```tool_output``` blocks (roles must alternate)."""
+    out: list[Message] = []
+    if tools:
+        listing = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False, indent=2)
+        block = _PYTHONIC_TOOLS.format(tools=listing)
+        if messages and messages[0]["role"] == "system":
+            out.append({"role": "system", "content": block + "\n\n" + messages[0]["content"]})
+            messages = messages[1:]
+        else:
+            out.append({"role": "system", "content": block})
+    previous = None
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            written = [python_call(c["function"]["name"], _arguments(c)) for c in m["tool_calls"]]
+            text = "[" + ", ".join(written) + "]"
+            out.append(
+                {"role": "assistant", "content": (m["content"] + "\n" if m.get("content") else "") + text}
+            )
+        elif m["role"] == "tool":
+            block = "```tool_output\n" + m["content"] + "\n```"
+            if previous == "tool":
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+        else:
+            out.append(m)
+        previous = m["role"]
+    return out
+
+
+def _arguments(call: dict[str, Any]) -> dict[str, Any]:
+    args = call["function"]["arguments"]
+    return json.loads(args) if isinstance(args, str) else args
 
 
 class ChatFormat:
@@ -227,7 +276,7 @@ class ChatFormat:
                 f"the chat template ({self.family.name} family) cannot render a tool call and its result: "
                 f"{type(e).__name__}: {e}; set chat_format= to another family"
             ) from e
-        if '"x": 1' not in text:
+        if '"x": 1' not in text and "x=1" not in text:
             raise ChatTemplateError(
                 f"the chat template ({self.family.name} family) drops tool calls from the conversation; "
                 "set chat_format= to another family"
@@ -279,7 +328,8 @@ class ChatFormat:
     ) -> str:
         """The conversation as the template writes it (transformers' renderer, our template choice)."""
         if self.rewrite_tools:
-            messages, tools = hermes_messages(messages, tools), None
+            rewrite = pythonic_messages if self.family.python_kwargs else hermes_messages
+            messages, tools = rewrite(messages, tools), None
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
@@ -394,6 +444,9 @@ class ChatFormat:
         tools); malformed tool-call text stays content."""
         if not tools and not self.family.reasoning:
             return ParsedTurn(text, None, [])
+        special = self.family.parse_special(text) if tools and self.family.parse_special else None
+        if special is not None:
+            return ParsedTurn(special[0], None, special[1])
         try:
             parsed = self.tokenizer.parse_response(text, self._parse_spec[tools], prefix=PARSE_ANCHOR)
         except (ValueError, KeyError):  # the parser's word for malformed JSON or a missing key

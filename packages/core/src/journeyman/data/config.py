@@ -99,7 +99,8 @@ class ModelConfig(OwnErrorsModel):
     max_tokens: int = Field(default=1024, ge=1, description="default max_tokens for requests that set none")
     chat_format: str | None = Field(
         default=None,
-        description="model family for tool calls and reasoning (hermes, qwen3, llama3, mistral, gemma3); "
+        description="model family for tool calls and reasoning (hermes, qwen3, llama3, mistral, mistral_v11, "
+        "gemma3); "
         "None detects it from the chat template",
     )
 

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -23,14 +23,26 @@ MAX_STOP = 16  # OpenAI takes 4, vLLM any number; each is searched for after eve
 MAX_STOP_CHARS = 256
 MAX_SCHEMA_CHARS = 2**20
 MAX_LITERAL_CHARS = 1024
+MAX_SHAPES = 512  # the tools one forced call may choose from, in a syntax with one shape per tool
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed integer, as vLLM takes it
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
-# An output grammar: (prefix, schema, suffix), one literal-JSON-literal shape; six strings are two such
-# shapes, either of which the output may take (`grammar.constraint_grammar`).
-Constraint = tuple[str, ...]
+Shape = tuple[str, str, str]
+"""(prefix, schema, suffix): literal text, compact JSON matching the schema, literal text."""
+
+
+class Constraint(NamedTuple):
+    """An output grammar (`grammar.constraint_grammar`): any one of `shapes`, after a free reasoning
+    block `(open, close)` when `reasoning` is set (`<think>` text without `</think>`, then `</think>`:
+    the grammar applies only to what follows the model's thinking, as vLLM's reasoning parsers do)."""
+
+    shapes: tuple[Shape, ...]
+    reasoning: tuple[str, str] | None = None
+
+    def key(self) -> str:
+        return "\0".join(p for shape in self.shapes for p in shape) + "\0\0" + "\0".join(self.reasoning or ())
 
 
 class SamplingParams(BaseModel):
@@ -93,10 +105,17 @@ class SamplingParams(BaseModel):
         max_length=MAX_LITERAL_CHARS,
         description="literal text the constrained output ends with",
     )
-    json_or_call: tuple[str, str, str] | None = Field(
+    json_or_call: list[Shape] | None = Field(
         default=None,
-        description="(prefix, schema, suffix) of a tool call the output may be instead of the "
-        "`json_schema` answer (tools and a response schema in one unforced request)",
+        max_length=MAX_SHAPES,
+        description="(prefix, schema, suffix) of each tool call the output may be instead of the "
+        "`json_schema` answer (tools and a response schema in one unforced request; the other tools "
+        "of a forced call in a syntax that names the tool outside the JSON)",
+    )
+    reasoning: tuple[str, str] | None = Field(
+        default=None,
+        description="(open, close) of the model's reasoning block: free text between them comes "
+        "first, the constrained output after `close` (a reasoning model with thinking on)",
     )
     # Unbounded on purpose: only hashed to pick a replica, and the endpoint builds it from the
     # conversation's start (a long system prompt included), which its body limit already bounds.
@@ -106,11 +125,12 @@ class SamplingParams(BaseModel):
 
     @property
     def constraint(self) -> Constraint | None:
-        """(prefix, schema, suffix) when the output is constrained, with the tool call's three after
-        them when it may be one instead (`json_or_call`); else None."""
+        """The output's grammar when it is constrained: (prefix, schema, suffix), or any of the calls
+        `json_or_call` instead; after the reasoning block if any. None when unconstrained."""
         if self.json_schema is None:
             return None
-        return (self.json_prefix, self.json_schema, self.json_suffix, *(self.json_or_call or ()))
+        first = (self.json_prefix, self.json_schema, self.json_suffix)
+        return Constraint((first, *(self.json_or_call or ())), self.reasoning)
 
 
 FinishReason = Literal["stop", "length"]

@@ -30,6 +30,13 @@ if TYPE_CHECKING:
 
 SCHEMA_FIELD = "response_format.json_schema.schema"
 COMPILE_TIMEOUT_S = 10.0
+PYTHON_KWARGS = "x-journeyman-python-kwargs"
+"""A shape's schema `{PYTHON_KWARGS: <parameters schema>}` stands for a Python call's keyword arguments
+(`city="Paris", days=2`, each value compact JSON) instead of one JSON object: Gemma 3's calls."""
+
+
+def python_kwargs_schema(parameters: dict[str, Any]) -> str:
+    return json.dumps({PYTHON_KWARGS: parameters})
 
 
 def wrapped_grammar(prefix: str, schema: str, suffix: str) -> Any:
@@ -39,7 +46,7 @@ def wrapped_grammar(prefix: str, schema: str, suffix: str) -> Any:
     """
     import xgrammar as xgr
 
-    parts = [xgr.Grammar.from_json_schema(schema, any_whitespace=False)]
+    parts = [_body_grammar(schema)]
     if prefix:
         parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}"))
     if suffix:
@@ -47,13 +54,77 @@ def wrapped_grammar(prefix: str, schema: str, suffix: str) -> Any:
     return xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
 
 
-def constraint_grammar(constraint: Constraint) -> Any:
-    """xgrammar Grammar of a `SamplingParams.constraint`: one (prefix, schema, suffix) shape, or
-    either of two (an answer in a response schema, or a tool call)."""
+def _body_grammar(schema: str) -> Any:
+    """Compact JSON matching `schema`, or a Python call's keyword arguments (`PYTHON_KWARGS`): the
+    required parameters in their listed order, `name=<JSON value>`, comma-separated (optional ones
+    are left out: a forced call writes what it must)."""
     import xgrammar as xgr
 
-    shapes = [wrapped_grammar(*constraint[i : i + 3]) for i in range(0, len(constraint), 3)]
-    return shapes[0] if len(shapes) == 1 else xgr.Grammar.union(*shapes)
+    parsed = json.loads(schema)
+    if not (isinstance(parsed, dict) and PYTHON_KWARGS in parsed):
+        return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    parameters: dict[str, Any] = parsed[PYTHON_KWARGS] or {}
+    properties: dict[str, Any] = parameters.get("properties") or {}
+    required = [k for k in properties if k in (parameters.get("required") or [])]
+    defs = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
+    parts = []
+    for n, name in enumerate(required):
+        parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps((', ' if n else '') + name + '=')}"))
+        value = properties[name] if isinstance(properties[name], dict) else {}
+        parts.append(xgr.Grammar.from_json_schema(json.dumps({**value, **defs}), any_whitespace=False))
+    if not parts:
+        return xgr.Grammar.from_ebnf('root ::= ""')
+    return xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
+
+
+def text_without(marker: str) -> str:
+    """EBNF of any text that does not contain `marker` (a reasoning block's body before its close
+    tag): one rule per characters of the marker matched so far, as in Knuth-Morris-Pratt."""
+
+    def state_after(matched: int, char: str) -> int:  # the longest prefix of marker ending here
+        seen = marker[:matched] + char
+        return next(k for k in range(len(seen), -1, -1) if seen.endswith(marker[:k]))
+
+    chars = sorted(set(marker))
+    others = "[^" + "".join(_class_char(c) for c in chars) + "]"
+    rules = []
+    for i in range(len(marker)):
+        options = ['""', f"{others} s0"]
+        for c in chars:
+            j = state_after(i, c)
+            if j < len(marker):  # reaching the whole marker is what the body may not do
+                options.append(f"{json.dumps(c)} s{j}")
+        rules.append(f"s{i} ::= " + " | ".join(options))
+    return "root ::= s0\n" + "\n".join(rules)
+
+
+def _class_char(c: str) -> str:
+    return "\\" + c if c in "\\]^-[" else c
+
+
+def constraint_grammar(constraint: Constraint) -> Any:
+    """xgrammar Grammar of a `SamplingParams.constraint`: any one of its (prefix, schema, suffix)
+    shapes (an answer in a response schema, or a tool call), after its free reasoning block if any."""
+    import xgrammar as xgr
+
+    shapes = [wrapped_grammar(*shape) for shape in constraint.shapes]
+    output = shapes[0] if len(shapes) == 1 else xgr.Grammar.union(*shapes)
+    if constraint.reasoning is None:
+        return output
+    open_, close = constraint.reasoning
+    parts = [
+        xgr.Grammar.from_ebnf(text_without(close.strip())),
+        xgr.Grammar.from_ebnf(f"root ::= {json.dumps(close)}"),
+    ]
+    if open_:
+        parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(open_)}"))
+    return xgr.Grammar.concat(*parts, output)
+
+
+def is_plain_schema(constraint: Constraint) -> bool:
+    """Whether the constraint is one JSON schema alone (no literals, no alternatives, no reasoning)."""
+    [(prefix, _, suffix), *more] = constraint.shapes
+    return not (more or prefix or suffix or constraint.reasoning)
 
 
 def wrapped_ebnf(constraint: Constraint) -> str:
@@ -94,9 +165,9 @@ class GrammarCache:
         self._lock = threading.Lock()
 
     def compile(self, constraint: Constraint) -> Any:
-        """The compiled grammar of (prefix, schema, suffix); an unusable schema, or one that does not
-        compile within `compile_timeout_s`, raises InvalidFieldError."""
-        key = "\0".join(constraint)
+        """The compiled grammar of a constraint; an unusable schema, or one that does not compile
+        within `compile_timeout_s`, raises InvalidFieldError."""
+        key = constraint.key()
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
@@ -117,7 +188,7 @@ class GrammarCache:
             return result.result(timeout=self.compile_timeout_s)
         except FutureTimeout:
             pass
-        schema = constraint[1]
+        schema = constraint.shapes[0][1]
         if not started.is_set():  # still waiting for a slot: other schemas hold the compiler
             raise InvalidFieldError(
                 SCHEMA_FIELD,
@@ -134,13 +205,13 @@ class GrammarCache:
     def _compile(
         self, key: str, constraint: Constraint, result: Future[Any], started: threading.Event
     ) -> None:
-        schema = constraint[1]
+        schema = constraint.shapes[0][1]
         with self._slots:
             started.set()
             try:
-                for each in constraint[1::3]:
+                for _, each, _ in constraint.shapes:
                     json.loads(each)
-                if len(constraint) > 3 or any(constraint[0:3:2]):  # literals, or two shapes
+                if not is_plain_schema(constraint):
                     compiled = self._compiler.compile_grammar(constraint_grammar(constraint))
                 else:
                     compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)

@@ -38,7 +38,7 @@ import httpx
 
 from journeyman.engine import handoff
 from journeyman.engine.base import Engine, OnToken, Sample, SamplingParams
-from journeyman.engine.grammar import SCHEMA_FIELD, wrapped_ebnf
+from journeyman.engine.grammar import SCHEMA_FIELD, is_plain_schema, wrapped_ebnf
 from journeyman.engine.vllm_server import VLLMConfig, VLLMServer
 from journeyman.errors import EngineDownError, InvalidFieldError, JourneymanError
 
@@ -248,8 +248,8 @@ class VLLMEngine(Engine):
             "skip_special_tokens": True,
         }
         constraint = params.constraint
-        if constraint is not None and (len(constraint) > 3 or params.json_prefix or params.json_suffix):
-            # Tool calls: the JSON sits between literal tags, which only a grammar can say.
+        if constraint is not None and not is_plain_schema(constraint):
+            # Tool calls (JSON between literal tags) and reasoning first: only a grammar can say them.
             body["structured_outputs"] = {"grammar": wrapped_ebnf(constraint)}
         elif params.json_schema is not None:
             # Compact JSON, as the in-process engine emits: a small model given free whitespace pads.

@@ -20,7 +20,7 @@ from typing import Annotated, Any, NamedTuple, Protocol, TypeVar
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError
 
-from journeyman.chat.families import ChatFamily
+from journeyman.chat.families import ChatFamily, Shape
 from journeyman.chat.formats import ChatFormat, SampledTurns
 from journeyman.chat.messages import normalize_messages
 from journeyman.client.protocol import REQUEST_TIMEOUT_S
@@ -100,11 +100,11 @@ class _Streaming(BaseModel):
     stream_options: StreamOptions | None = None
 
 
-def _tool_call_schema(
+def _forced_calls(
     tools: list[Tool] | None, choice: ToolChoiceMode | NamedToolChoice | None, family: ChatFamily
-) -> str | None:
-    """The JSON schema a forced tool call must match (in the family's call shape), or None when the
-    model may answer freely.
+) -> list[Shape] | None:
+    """The grammar shapes a forced tool call must take (in the family's call syntax), or None when
+    the model may answer freely.
 
     `tool_choice="required"` allows any listed tool; `{"type": "function", "function": {"name": n}}`
     only `n`. Decoding is then constrained, so even a small model emits a well-formed call.
@@ -122,44 +122,45 @@ def _tool_call_schema(
         picked = [t for t in tools if t.function.name == wanted]
     else:
         picked = tools
-    return _calls_schema(picked, family, "tool_choice", shown)
+    return _call_shapes(picked, family, "tool_choice", shown)
 
 
-def _calls_schema(tools: list[Tool], family: ChatFamily, field: str, shown: Any) -> str:
-    """The JSON schema of a call (in the family's shape) of any of `tools`."""
-    options = [
-        family.call_schema({"function": {"name": t.function.name, "parameters": t.function.parameters}})
-        for t in tools
-    ]
-    schema = json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
-    if len(schema) > MAX_SCHEMA_BYTES:
+def _call_shapes(tools: list[Tool], family: ChatFamily, field: str, shown: Any) -> list[Shape]:
+    """The grammar shapes of a call (in the family's syntax) of any of `tools`."""
+    shapes = family.call_shapes(
+        [{"function": {"name": t.function.name, "parameters": t.function.parameters}} for t in tools]
+    )
+    size = sum(len(schema) for _, schema, _ in shapes)
+    if size > MAX_SCHEMA_BYTES:
         raise InvalidFieldError(
             field,
             shown,
-            f"allows a call whose schema (the tools' parameters) is {len(schema)} bytes of JSON: the grammar "
+            f"allows a call whose schema (the tools' parameters) is {size} bytes of JSON: the grammar "
             f"compiler takes at most {MAX_SCHEMA_BYTES}",
         )
-    return schema
+    return shapes
 
 
 class _Constraint(NamedTuple):
-    """What the output must be: `schema` between the literals `prefix` and `suffix`, or else the
-    tool call `call` (prefix, schema, suffix) when one is allowed beside a response schema."""
+    """What the output must be: `schema` between the literals `prefix` and `suffix`, or else one of
+    the tool calls `calls` (a forced call's other tools in a syntax that names the tool outside the
+    JSON; any call, when one is allowed beside a response schema)."""
 
     schema: str
     prefix: str
     suffix: str
     source: str  # the request field the schema comes from
-    call: tuple[str, str, str] | None = None
+    calls: list[Shape] | None = None
 
 
 def _constraint(req: ChatCompletionRequest, family: ChatFamily) -> _Constraint | None:
     """The output's grammar, if any. A forced tool call is forced, whatever `response_format` says: the
     schema is for the final answer, a later turn (as OpenAI's API has it). Unforced, with tools and a
     response schema, the output is a tool call or the schema's JSON."""
-    forced = _tool_call_schema(req.tools, req.tool_choice, family)
+    forced = _forced_calls(req.tools, req.tool_choice, family)
     if forced is not None:
-        return _Constraint(forced, family.call_open, family.call_close, "tool_choice")
+        (prefix, schema, suffix), *others = forced
+        return _Constraint(schema, prefix, suffix, "tool_choice", others or None)
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
@@ -167,20 +168,34 @@ def _constraint(req: ChatCompletionRequest, family: ChatFamily) -> _Constraint |
         answer, source = json.dumps(fmt.json_schema.schema_), SCHEMA_FIELD
     else:
         answer, source = json.dumps({"type": "object"}), "response_format"
-    call = None
+    calls = None
     if req.tools and req.tool_choice != "none":
-        call = (
-            family.call_open,
-            _calls_schema(req.tools, family, "tools", len(req.tools)),
-            family.call_close,
-        )
-    return _Constraint(answer, "", "", source, call)
+        calls = _call_shapes(req.tools, family, "tools", len(req.tools))
+    return _Constraint(answer, "", "", source, calls)
+
+
+def _reasoning_first(fmt: ChatFormat, prompt_ids: list[int]) -> tuple[str, str] | None:
+    """The reasoning block a constrained output starts with: (open, close) when the model is to
+    think first (Qwen3 with thinking on), ("", close) when the prompt already opened the block, None
+    when it has none or the prompt closed it (`enable_thinking: false` renders an empty one)."""
+    think = fmt.family.think
+    if think is None:
+        return None
+    open_, close = think
+    tail = fmt.decode(prompt_ids[-64:])
+    for end in fmt.family.end_of_turn:  # the generation prompt: what follows the last ended turn
+        tail = tail.rsplit(end, 1)[-1]
+    if open_ not in tail:
+        return think
+    if close.strip() in tail.rsplit(open_, 1)[1]:
+        return None  # a closed, empty block: thinking is off (`enable_thinking: false`)
+    return ("", close)  # the prompt opened the block: the model thinks on from there
 
 
 def _sampling_params(
     req: ChatCompletionRequest, default_max_tokens: int, constraint: _Constraint | None
 ) -> SamplingParams:
-    schema, prefix, suffix, source, call = constraint or (None, "", "", "", None)
+    schema, prefix, suffix, source, calls = constraint or (None, "", "", "", None)
     try:
         return SamplingParams(
             n=req.n,
@@ -193,7 +208,7 @@ def _sampling_params(
             json_schema=schema,
             json_prefix=prefix,
             json_suffix=suffix,
-            json_or_call=call,
+            json_or_call=calls,
         )
     except ValidationError as e:  # the engine's own bounds: named by the request field they came from
         err = invalid_field(e)
@@ -209,6 +224,13 @@ def _sampling_params(
         raise InvalidFieldError(
             renamed.get(name, name) + err.field[len(name) :], err.value, err.reason
         ) from None
+
+
+def _offers_tools(req: ChatCompletionRequest) -> bool:
+    """Whether the model may call tools: listed ones, or built-in ones its template names
+    (Llama 3.1's `builtin_tools`: brave_search, wolfram_alpha, code_interpreter)."""
+    builtin = bool((req.chat_template_kwargs or {}).get("builtin_tools"))
+    return (bool(req.tools) or builtin) and req.tool_choice != "none"
 
 
 def _asked_tokens(req: ChatCompletionRequest) -> int | None:
@@ -352,6 +374,8 @@ class Endpoint:
         prompt_ids, spliced = self.chat_format.prompt_ids(
             messages, tools, self.sampled, template_kwargs=template_kwargs
         )
+        if constraint is not None:
+            params.reasoning = _reasoning_first(self.chat_format, prompt_ids)
         self._fit_context(req, params, len(prompt_ids))
         schema_field = constraint.source if constraint is not None else ""
         return _Prepared(req, params, messages, tools, prompt_ids, spliced, schema_field)
@@ -408,7 +432,7 @@ class Endpoint:
             # the engine's text is cut at a stop string; otherwise read the ids with their markers
             text = s.text if params.stop else fmt.completion_text(s.token_ids)
             # tool_choice "none": the model may not call a tool, so call-like text is its answer
-            turn = fmt.parse(text, tools=bool(req.tools) and req.tool_choice != "none")
+            turn = fmt.parse(text, tools=_offers_tools(req))
             content, reasoning = turn.content, turn.reasoning
             calls = [{"id": fmt.family.call_id(), "type": "function", "function": c} for c in turn.tool_calls]
             # Complete calls win, as vLLM reports them (an agent runs them even if text after them was

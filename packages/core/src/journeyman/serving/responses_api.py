@@ -2,11 +2,14 @@
 translating each request into a chat completion of the same endpoint.
 
 Supported: `instructions`, `input` as a string or as items (messages with text parts,
-`function_call`, `function_call_output`; reasoning items are dropped), function tools,
+`function_call`, `function_call_output`, `reasoning`: its text becomes the next assistant turn's
+`reasoning_content`), function tools,
 `tool_choice` (auto / none / required / a named function, the last two grammar-constrained),
 `text.format` (json_schema / json_object / text), `max_output_tokens`, `temperature`, `top_p`,
 and `stream` (the message's text as it is sampled, then what only the whole response says: see
-`_live`). Not supported:
+`_live`). A reasoning model's thinking (Qwen3's `<think>` block) comes back as a `reasoning` output
+item before the message, its text as `reasoning_text` content, as vLLM returns it (`summary` stays
+empty: nothing summarizes it). Not supported:
 `previous_response_id` / `conversation` (no responses are stored) and hosted tools.
 
 Going through `Endpoint.chat_completion` keeps one data path: the same splicing of sampled turns,
@@ -184,6 +187,7 @@ def chat_messages(instructions: str | None, input: Any) -> list[dict[str, Any]]:
     if not isinstance(input, list):
         raise InvalidFieldError("input", input, "must be a string or a list of input items")
     open_turn: dict[str, Any] | None = None  # the assistant message function calls may still join
+    reasoning: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(input):
         if not isinstance(item, dict):
             raise InvalidFieldError(f"input[{i}]", item, "each input item must be an object")
@@ -193,6 +197,8 @@ def chat_messages(instructions: str | None, input: Any) -> list[dict[str, Any]]:
             if not isinstance(role, str) or role not in _MESSAGE_ROLES:
                 raise InvalidFieldError(f"input[{i}].role", role, f"must be one of {sorted(_MESSAGE_ROLES)}")
             msg = {"role": role, "content": text_of(item.get("content"), f"input[{i}].content")}
+            if role == "assistant" and reasoning is not None:
+                msg["reasoning_content"], reasoning = reasoning, None
             messages.append(msg)
             open_turn = msg if role == "assistant" else None
         elif kind == "function_call":
@@ -210,6 +216,8 @@ def chat_messages(instructions: str | None, input: Any) -> list[dict[str, Any]]:
             }
             if open_turn is None:
                 open_turn = {"role": "assistant", "content": None}
+                if reasoning is not None:
+                    open_turn["reasoning_content"], reasoning = reasoning, None
                 messages.append(open_turn)
             open_turn.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
@@ -220,12 +228,28 @@ def chat_messages(instructions: str | None, input: Any) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": content})
             open_turn = None
         elif kind == "reasoning":
-            continue  # the model has no reasoning items to replay
+            reasoning = _reasoning_text(item, i)
+            open_turn = None  # the turn it belongs to comes after it
         else:
             raise InvalidFieldError(
                 f"input[{i}].type", kind, "use message, function_call or function_call_output"
             )
     return messages
+
+
+def _reasoning_text(item: dict[str, Any], i: int) -> str | None:
+    """The text of a reasoning input item (its `reasoning_text` content, else its summary), or None."""
+    for key in ("content", "summary"):
+        parts = item.get(key) or []
+        if not isinstance(parts, list):
+            raise InvalidFieldError(f"input[{i}].{key}", parts, "must be a list of text parts")
+        texts = [p.get("text") if isinstance(p, dict) else None for p in parts]
+        strings = [t for t in texts if isinstance(t, str)]
+        if len(strings) != len(texts):
+            raise InvalidFieldError(f"input[{i}].{key}", parts, "each part needs a string `text`")
+        if strings:
+            return "\n\n".join(strings)
+    return None
 
 
 def responses_request(body: dict[str, Any]) -> ResponsesRequest:
@@ -287,6 +311,17 @@ def response_from_chat(completion: dict[str, Any], body: dict[str, Any], rid: st
     msg = choice["message"]
     hexid = rid.removeprefix("resp_")
     output: list[dict[str, Any]] = []
+    reasoning = msg.get("reasoning_content")
+    if reasoning is not None:
+        output.append(
+            {
+                "type": "reasoning",
+                "id": f"rs_{hexid}",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": reasoning}],
+                "status": "completed",
+            }
+        )
     if msg.get("content") or not msg.get("tool_calls"):
         output.append(
             {
@@ -379,6 +414,17 @@ def _events(response: dict[str, Any], streamed: str | None = None, start: int = 
                     "logprobs": [],
                 },
                 {"type": "response.content_part.done", **where, "content_index": 0, "part": part},
+            ]
+        elif item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            events += [
+                {
+                    "type": "response.output_item.added",
+                    "output_index": i,
+                    "item": {**item, "status": "in_progress", "content": []},
+                },
+                {"type": "response.reasoning_text.delta", **where, "content_index": 0, "delta": text},
+                {"type": "response.reasoning_text.done", **where, "content_index": 0, "text": text},
             ]
         else:
             events += [
