@@ -319,14 +319,14 @@ async def test_the_local_model_generates_scenarios_under_the_schema(served: tupl
     )
     got, report = await generate_scenarios(
         info,
-        4,
+        2,
         generator=f"local:{model.name}",  # type: ignore[attr-defined]
-        batch_size=2,
+        batch_size=2,  # one batch: one request, two scenarios asked of it
         max_tokens=120,
         seed=3,
     )
-    assert len(got) == 4 and report.generator_error is None
-    assert report.from_generator + report.from_schema == 4
+    assert len(got) == 2 and report.generator_error is None
+    assert report.from_generator + report.from_schema == 2
     assert all(s.tools == ["add_task"] for s in got)
 
 
@@ -404,6 +404,12 @@ def test_train_end_to_end_on_mcp_server_time_stdio_with_ruler(tmp_path: Path) ->
             "--generator",
             "none",
             *FAST,
+            # after FAST (the last one counts): one turn, a forced call and its result, and a group
+            # of two, the fewest RULER compares; the two-turn episode is the HTTP test's
+            "--max-turns",
+            "1",
+            "--group-size",
+            "2",
             "--",
             *TIME_SERVER,
         ],
@@ -420,7 +426,7 @@ def test_train_end_to_end_on_mcp_server_time_stdio_with_ruler(tmp_path: Path) ->
     # latest: step 0 is served the same way, by a zero adapter).
     report = json.loads((tmp_path / "mcp-rl" / "models" / "mcp-agent" / "mcp_rl_report.json").read_text())
     latest = max([0] + [s["new_step"] for s in report["steps"] if not s.get("skipped")])
-    common = ["eval", "--path", str(tmp_path), "--max-tokens", "40", "--max-turns", "2"]
+    common = ["eval", "--path", str(tmp_path), "--max-tokens", "40", "--max-turns", "1"]
     common += ["--eval-samples", "0", "--against", "none"]
     r = _mcp_rl([*common, "--step", str(latest), "--", *TIME_SERVER], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
