@@ -404,10 +404,8 @@ def test_train_end_to_end_on_mcp_server_time_stdio_with_ruler(tmp_path: Path) ->
             "--generator",
             "none",
             *FAST,
-            # after FAST (the last one counts): one turn, a forced call and its result, and a group
-            # of two, the fewest RULER compares; the two-turn episode is the HTTP test's
-            "--max-turns",
-            "1",
+            # after FAST (the last one counts): a group of two, the fewest RULER compares (the free
+            # second turn's length still spreads the rewards: one turn ties them, skipping the step)
             "--group-size",
             "2",
             "--",
@@ -426,7 +424,7 @@ def test_train_end_to_end_on_mcp_server_time_stdio_with_ruler(tmp_path: Path) ->
     # latest: step 0 is served the same way, by a zero adapter).
     report = json.loads((tmp_path / "mcp-rl" / "models" / "mcp-agent" / "mcp_rl_report.json").read_text())
     latest = max([0] + [s["new_step"] for s in report["steps"] if not s.get("skipped")])
-    common = ["eval", "--path", str(tmp_path), "--max-tokens", "40", "--max-turns", "1"]
+    common = ["eval", "--path", str(tmp_path), "--max-tokens", "40", "--max-turns", "2"]
     common += ["--eval-samples", "0", "--against", "none"]
     r = _mcp_rl([*common, "--step", str(latest), "--", *TIME_SERVER], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
