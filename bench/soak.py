@@ -11,7 +11,7 @@ leak from allocator drift, each minute also records what malloc has handed out a
 grows RSS while they stay flat.
 
     uv run python bench/soak.py                 # 10 minutes
-    uv run python bench/soak.py --minutes 1     # what the test suite runs (tests/test_soak.py)
+    uv run python bench/soak.py --minutes 0.5   # about what the test suite runs (tests/test_soak.py)
     uv run python bench/soak.py --minutes 30 --plot soak.png --json soak.json
 
 Exit status 1 when a request failed or RSS grew by more than `--rss-bound-mib`.

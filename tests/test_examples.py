@@ -1,7 +1,8 @@
 """Every script in examples/ starts and finishes one step with its smallest settings.
 
 Each runs as a real subprocess (`python examples/x.py ... --path <tmp>`), the way the README tells
-people to run it, against the embedded model: one step, one group of two rollouts, short answers.
+people to run it, against the embedded model: one step, one group of two rollouts, short answers,
+one held-out task before and after.
 Two rollouts is the smallest group GRPO can compare; with so few the rewards often tie and the
 step is skipped, so the checks are on what every run leaves: the step in history.jsonl, the
 gathered group in trajectories/train/0000.jsonl with a token record on every sampled turn, and
@@ -123,7 +124,7 @@ def check_held_out(run_dir: Path, out: str, tasks: int) -> None:
 
 def check_agents_sdk(runs: Path, out: str, langfuse: Any) -> None:
     run_dir = runs / "agents-sdk-example" / "models" / "todo-agent"
-    check_held_out(run_dir, out, tasks=2)
+    check_held_out(run_dir, out, tasks=1)
     for t in check_one_step(run_dir, groups=1, group_size=2):
         # the triage agent's forced handoff; then the to-do agent's own history (another system
         # prompt): its forced tool call, the tool's result, its answer
@@ -145,7 +146,7 @@ def check_ruler(runs: Path, out: str, langfuse: Any) -> None:
 
 def check_langgraph(runs: Path, out: str, langfuse: Any) -> None:
     run_dir = runs / "langgraph-example" / "models" / "todo-agent"
-    check_held_out(run_dir, out, tasks=2)
+    check_held_out(run_dir, out, tasks=1)
     for t in check_one_step(run_dir, groups=1, group_size=2):
         # create_agent's model node, twice: the forced tool call, then the answer after the tool result
         assert t["metadata"]["langgraph_nodes"] == ["model", "model"], t["metadata"]
@@ -187,10 +188,10 @@ class Example:
 EXAMPLE_RUNS = [
     Example(
         "langgraph_train.py",
-        (*SMALLEST, "--eval-scenarios", "2", "--answer-tokens", "4"),
+        (*SMALLEST, "--eval-scenarios", "1", "--answer-tokens", "4"),
         check_langgraph,
     ),
-    Example("agents_sdk_train.py", (*SMALLEST, "--eval-scenarios", "2"), check_agents_sdk),
+    Example("agents_sdk_train.py", (*SMALLEST, "--eval-scenarios", "1"), check_agents_sdk),
     Example(
         "sft_warmup_todo.py",
         (
@@ -203,7 +204,7 @@ EXAMPLE_RUNS = [
             "--group-size",
             "2",
             "--eval-scenarios",
-            "2",
+            "1",
             "--eval-samples",
             "0",
         ),

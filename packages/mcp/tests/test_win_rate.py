@@ -164,12 +164,12 @@ async def test_a_trained_adapter_the_judge_prefers_wins_and_the_base_ties_with_i
     monkeypatch.setenv("JOURNEYMAN_CACHE", str(tmp_path))  # the judge's answers (the weights are loaded)
     scenarios = [
         Scenario(id=f"s{i}", task=f"Add '{t}' to my to-do list.", tools=["add_task"])
-        for i, t in enumerate(["buy milk", "call the bank", "water the plants"])
+        for i, t in enumerate(["buy milk", "water the plants"])  # two pairs: a win needs both
     ]
     # free turns: no grammar to compile for a fresh engine (minutes on a busy 2-core CPU)
     cfg = RolloutConfig(max_turns=1, forced_turns=0, max_tokens=32)
     settings = McpRlSettings(server=ServerSpec.parse(TODO_SERVER), rollout=cfg, judge_model="rule")
-    async with SessionPool(ServerSpec.parse(TODO_SERVER), size=3) as pool:
+    async with SessionPool(ServerSpec.parse(TODO_SERVER), size=2) as pool:
         info = await pool.describe()
         _, base_runs = await evaluate(model, pool, info, scenarios, cfg, log=False)
         # teach the adapter the marker: one SFT step on demonstrations of other tasks
