@@ -183,6 +183,7 @@ class ScriptedBackend:
             model.name,
             default_max_tokens=model.max_tokens,
             max_context=self.max_context,
+            base_name=model.base_model,  # as LocalBackend serves it
         )
         server = ServerThread(Guard(build_app(endpoint), self.api_key, DEFAULT_MAX_BODY_BYTES))
         self._models[model.name] = _Scripted(engine, endpoint, server)

@@ -98,6 +98,11 @@ class SamplingParams(BaseModel):
         description="(prefix, schema, suffix) of a tool call the output may be instead of the "
         "`json_schema` answer (tools and a response schema in one unforced request)",
     )
+    base: bool = Field(
+        default=False,
+        description="sample from the base model, the adapter disabled (a request that names the base "
+        "model, as vLLM serves it beside its LoRAs)",
+    )
     # Unbounded on purpose: only hashed to pick a replica, and the endpoint builds it from the
     # conversation's start (a long system prompt included), which its body limit already bounds.
     affinity: str | None = Field(
