@@ -11,6 +11,9 @@ Journeyman has the knob and warned about, once, where it does not. See docs/migr
 
 from __future__ import annotations
 
+from importlib import import_module as _import_module
+from typing import TYPE_CHECKING
+
 from journeyman import Backend, Trajectory, TrajectoryGroup
 from journeyman.art import dev
 from journeyman.art._gather import gather_trajectories, gather_trajectory_groups, trajectory_group_batches
@@ -19,6 +22,20 @@ from journeyman.art._types import LocalTrainResult, TrainConfig, TrainResult
 from journeyman.art.utils import retry
 from journeyman.chat.messages import Message
 from journeyman.data.types import MessageOrChoice, Tool
+
+if TYPE_CHECKING:
+    from journeyman.art import langgraph, local, rewards, utils
+
+# ART code reaches its submodules as attributes (`art.utils.iterate_dataset` after `import art`): loaded
+# on first use, so `import journeyman.art` stays as light as `import journeyman` (`local` needs the backend).
+_SUBMODULES = ("langgraph", "local", "rewards", "utils")
+
+
+def __getattr__(name: str) -> object:
+    if name not in _SUBMODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _import_module(f"{__name__}.{name}")
+
 
 Messages = list[Message]
 MessagesAndChoices = list[MessageOrChoice]
@@ -39,6 +56,10 @@ __all__ = [
     "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
+    "langgraph",
+    "local",
     "retry",
+    "rewards",
     "trajectory_group_batches",
+    "utils",
 ]

@@ -4,6 +4,7 @@ Journeyman's TrainableModel: ART's fields and call shapes, Journeyman's machiner
 from __future__ import annotations
 
 import warnings
+from abc import ABCMeta
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -177,5 +178,8 @@ class TrainableModel(jm.TrainableModel):
             return await super().log(None, split, rest) if rest else {}
         return await super().log(groups, split, metrics)
 
+
+# ART's TrainableModel is a Model: rollouts annotated `art.Model` take either, `isinstance` agrees.
+ABCMeta.register(Model, TrainableModel)
 
 __all__ = ["Model", "TrainableModel", "as_groups"]

@@ -35,7 +35,14 @@ def wrap_rollout(
 def init_chat_model(model_name: str | None = None, **kwargs: Any) -> Any:
     """ART's `init_chat_model(model.name, temperature=...)` inside a `wrap_rollout` function: the
     episode's trained policy as a LangChain chat model. `model_name`, if given, must name it."""
-    llm = _adapter().init_chat_model(None, **kwargs)  # the episode's model; raises outside one
+    try:
+        llm = _adapter().init_chat_model(None, **kwargs)  # the episode's model
+    except InvalidFieldError as e:
+        if e.field != "model":
+            raise
+        raise InvalidFieldError(
+            "model_name", model_name, "init_chat_model() is called inside a function given to wrap_rollout"
+        ) from None
     served = getattr(llm, "model_name", None)
     if model_name is not None and model_name != served:
         raise InvalidFieldError("model_name", model_name, f"the rollout's model is {served!r}")

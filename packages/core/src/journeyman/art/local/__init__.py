@@ -13,6 +13,7 @@ from journeyman.art._model import TrainableModel, as_groups
 from journeyman.art._types import LocalTrainResult, journeyman_config
 from journeyman.art.dev import warn_unsupported
 from journeyman.backends.local import LocalBackend as _LocalBackend
+from journeyman.client.protocol import Progress
 from journeyman.data.config import ModelConfig
 from journeyman.errors import InvalidFieldError
 
@@ -41,28 +42,32 @@ class LocalBackend(_LocalBackend):
     async def train(  # pyright: ignore[reportIncompatibleMethodOverride]
         self,
         model: ModelConfig,
-        trajectory_groups: Iterable[Any],
+        groups: Iterable[Any],
         config: jm.TrainConfig | None = None,
         *,
         idempotency_key: str | None = None,
+        on_progress: Progress | None = None,
+        trained_by: str | None = None,
         **art_settings: Any,
     ) -> Any:
         """ART's `backend.train(model, groups, learning_rate=..., ...)`: one step, ART's defaults
         (learning rate 5e-6), a `LocalTrainResult(step, metrics, checkpoint_path)` for `model.log`.
         ART's settings are translated where Journeyman has the knob, warned about where not; an
         unknown one is refused. Called Journeyman's way (a `jm.TrainConfig`), it is Journeyman's train."""
-        groups = as_groups(trajectory_groups, "trajectory_groups") or []
+        step = {"idempotency_key": idempotency_key, "on_progress": on_progress, "trained_by": trained_by}
+        checked = as_groups(groups, "trajectory_groups") or []
         if not art_settings and (config is not None or not isinstance(model, TrainableModel)):
-            return await super().train(model, groups, config, idempotency_key=idempotency_key)  # pyright: ignore[reportAbstractUsage]
+            return await super().train(model, checked, config, **step)  # pyright: ignore[reportAbstractUsage]
         defaults = model._train_defaults if isinstance(model, TrainableModel) else {}  # pyright: ignore[reportPrivateUsage]
         cfg = journeyman_config(defaults, config, art_settings, "backend.train")
-        result = await super().train(model, groups, cfg, idempotency_key=idempotency_key)  # pyright: ignore[reportAbstractUsage]
+        result = await super().train(model, checked, cfg, **step)  # pyright: ignore[reportAbstractUsage]
         if isinstance(model, TrainableModel):
             model._last_result = result  # pyright: ignore[reportPrivateUsage]
         ckpt = self.run_dir(model) / "checkpoints" / f"{result.step:04d}"
         return LocalTrainResult(result.step, dict(result.metrics), str(ckpt) if ckpt.is_dir() else None)
 
-    def close(self) -> _Closed:  # pyright: ignore[reportIncompatibleMethodOverride]
+    def close(self) -> Any:
+        """Stop the engines and servers now; the result may be awaited (ART's `await backend.close()`)."""
         super().close()
         return _Closed()
 
