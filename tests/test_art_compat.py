@@ -141,6 +141,7 @@ async def test_a_prompted_model_asks_the_base_model_by_its_name(scripted: Any) -
     )
     traj = await rollout(base, "Hi")
     assert backend.engine(model).requests[-1][1].base
+    assert isinstance(art.TrainableModel(name="t", project="art"), art.Model)  # as in ART
     assert jm.record_of(traj.messages_and_choices[-1]).step == 0  # type: ignore[union-attr, arg-type]
 
 

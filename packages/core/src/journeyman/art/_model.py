@@ -4,7 +4,6 @@ Journeyman's TrainableModel: ART's fields and call shapes, Journeyman's machiner
 from __future__ import annotations
 
 import warnings
-from abc import ABCMeta
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,20 @@ def as_groups(items: Iterable[Any] | None, where: str) -> list[jm.TrajectoryGrou
     raise InvalidFieldError(where, items, "expected TrajectoryGroups, Trajectories, or lists of Trajectories")
 
 
-class Model(BaseModel):
+class _ModelMeta(type(BaseModel)):
+    """In ART a TrainableModel is a Model (rollouts annotated `art.Model` take either): `isinstance`
+    and `issubclass` say so here too, though ours builds on Journeyman's TrainableModel instead."""
+
+    def __instancecheck__(cls, instance: object) -> bool:
+        return super().__instancecheck__(instance) or (cls is Model and isinstance(instance, TrainableModel))
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return super().__subclasscheck__(subclass) or (
+            cls is Model and isinstance(subclass, type) and issubclass(subclass, TrainableModel)
+        )
+
+
+class Model(BaseModel, metaclass=_ModelMeta):
     """ART's prompted model: any OpenAI-compatible endpoint to roll out against (e.g. the base model
     a Journeyman endpoint serves under its own name, or a hosted model), compared with a trained one."""
 
@@ -178,8 +190,5 @@ class TrainableModel(jm.TrainableModel):
             return await super().log(None, split, rest) if rest else {}
         return await super().log(groups, split, metrics)
 
-
-# ART's TrainableModel is a Model: rollouts annotated `art.Model` take either, `isinstance` agrees.
-ABCMeta.register(Model, TrainableModel)
 
 __all__ = ["Model", "TrainableModel", "as_groups"]
