@@ -54,7 +54,9 @@ async def test_the_in_process_engine_samples_the_base_with_the_adapter_disabled(
         )
         [base] = await engine.generate(prompt, SamplingParams(max_tokens=10, seed=5, base=True))
         [tuned] = await engine.generate(prompt, SamplingParams(max_tokens=10, seed=5))
-        gap = max(abs(a - b) for a, b in zip(base_logprobs(prompt, base.token_ids), base.logprobs, strict=True))
+        gap = max(
+            abs(a - b) for a, b in zip(base_logprobs(prompt, base.token_ids), base.logprobs, strict=True)
+        )
         assert gap < 1e-4, gap
         adapter_effect = max(
             abs(a - b) for a, b in zip(base_logprobs(prompt, tuned.token_ids), tuned.logprobs, strict=True)
