@@ -68,7 +68,8 @@ async def ruler_score_group(
     """
     if config is not None and not isinstance(config, RulerConfig):
         raise InvalidFieldError("config", config, "expected a journeyman.rewards.ruler.RulerConfig")
-    if rubric is not None and not isinstance(rubric, str):  # e.g. ART's third argument, a dict of LiteLLM params
+    # e.g. ART's third argument, a dict of LiteLLM params, where Journeyman's rubric goes
+    if rubric is not None and not isinstance(rubric, str):
         raise InvalidFieldError(
             "rubric", rubric, "must be a string; completion arguments for the judge go in judge_params={...}"
         )
