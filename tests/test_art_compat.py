@@ -247,6 +247,29 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     server.stop()
 
 
+def test_a_run_directory_goes_to_s3_and_back_and_to_a_path(tmp_path: Path, s3: str) -> None:
+    """`push_dir`/`pull_dir` (under `push_run`/`pull_run`), without a model: same files, same bytes;
+    `delete` mirrors; a URL with nothing stored is a CheckpointError naming it."""
+    from journeyman.data.object_store import pull_dir, push_dir
+    from journeyman.errors import CheckpointError
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "0001").mkdir(parents=True)
+    (run / "checkpoints" / "0001" / "adapter.bin").write_bytes(bytes(range(256)) * 64)
+    (run / "history.jsonl").write_text('{"step": 0}\n')
+    for url in (f"s3://{s3}/exp/p/models/m", str(tmp_path / "mirror")):
+        assert push_dir(run, url) == 2
+        back = tmp_path / f"back-{len(url)}"
+        (back / "stale.txt").parent.mkdir(parents=True)
+        (back / "stale.txt").write_text("old")
+        assert pull_dir(url, back, delete=True) == 2
+        files = sorted(p.relative_to(back).as_posix() for p in back.rglob("*") if p.is_file())
+        assert files == ["checkpoints/0001/adapter.bin", "history.jsonl"]
+        assert (back / "checkpoints" / "0001" / "adapter.bin").read_bytes() == bytes(range(256)) * 64
+    with pytest.raises(CheckpointError, match="nothing stored"):
+        pull_dir(f"s3://{s3}/never-pushed", tmp_path / "none")
+
+
 @pytest.mark.slow
 async def test_an_ART_training_loop_trains_logs_and_resumes_from_object_storage(
     tmp_path: Path, s3: str

@@ -8,6 +8,7 @@ not need them. An S3-compatible server is reached through the usual AWS settings
 
 from __future__ import annotations
 
+import posixpath
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,14 @@ def push_dir(
     fs, root = _filesystem(url, storage_options)
     files = _local_files(local)
     try:
+        made: set[str] = set()
         for rel, path in files.items():
-            fs.put_file(str(path), f"{root}/{rel}")
+            target = f"{root}/{rel}"
+            folder = posixpath.dirname(target)
+            if folder not in made:  # a local or mounted target needs its folders; object stores ignore this
+                fs.makedirs(folder, exist_ok=True)
+                made.add(folder)
+            fs.put_file(str(path), target)
         if delete and fs.exists(root):
             for remote in fs.find(root):
                 if remote[len(root) + 1 :] not in files:
