@@ -7,12 +7,15 @@ a bench adds this folder itself. Fixtures built on these live in the root confte
 from __future__ import annotations
 
 import copy
+import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from fastapi import Request
     from journeyman import CapturedCall, Inference, ModelConfig, TrainableModel, Trajectory
     from journeyman.chat.formats import ChatFormat
     from journeyman.engine.scripted import Script, ScriptedEngine
@@ -183,6 +186,7 @@ class ScriptedBackend:
             model.name,
             default_max_tokens=model.max_tokens,
             max_context=self.max_context,
+            base_name=model.base_model,  # as LocalBackend serves it
         )
         server = ServerThread(Guard(build_app(endpoint), self.api_key, DEFAULT_MAX_BODY_BYTES))
         self._models[model.name] = _Scripted(engine, endpoint, server)
@@ -275,3 +279,60 @@ async def streamed_chat(client: Any, ask: dict[str, Any]) -> tuple[list[str], di
             if choice.finish_reason is not None:
                 record = (choice.model_extra or {})["journeyman"]
     return deltas, record
+
+
+_TRAJ = re.compile(r'<trajectory id="(\d+)">\n(.*?)\n</trajectory>', re.DOTALL)
+
+
+class RuleJudge:
+    """A judge endpoint (test_ruler, test_art_compat): 10 for a trajectory that mentions Paris, 2
+    otherwise; wrong on request."""
+
+    def __init__(self) -> None:
+        from fastapi import FastAPI, Request
+        from journeyman.serving.endpoint import ServerThread
+
+        self.requests: list[dict[str, Any]] = []
+        self.plan: list[str] = []  # how to answer the next requests: short | bad_ids | prose (then ok)
+        app = FastAPI()
+
+        async def complete(request: Request) -> dict[str, Any]:
+            return await self._complete(request)
+
+        complete.__annotations__ = {
+            "request": Request,
+            "return": dict,
+        }  # FastAPI reads the class, not a string
+        app.post("/v1/chat/completions")(complete)
+        self.server = ServerThread(app)
+        self.base_url = self.server.base_url
+
+    async def _complete(self, request: Request) -> dict[str, Any]:
+        from journeyman.serving.openai_http import chat_completion_body
+
+        body = await request.json()
+        self.requests.append(body)
+        ids = body["response_format"]["json_schema"]["schema"]["properties"]["scores"]["items"]["properties"][
+            "trajectory_id"
+        ]["enum"]
+        shown = dict(_TRAJ.findall(body["messages"][1]["content"]))
+        scores = [
+            {
+                "trajectory_id": i,
+                "explanation": "names Paris" if "Paris" in shown[i] else "no",
+                "score": 10 if "Paris" in shown[i] else 2,
+            }
+            for i in ids
+        ]
+        mode = self.plan.pop(0) if self.plan else "ok"
+        if mode == "short":
+            scores = scores[:-1]
+        elif mode == "bad_ids":
+            scores[0]["trajectory_id"] = "99"
+        content = "I think they are all fine." if mode == "prose" else json.dumps({"scores": scores})
+        return chat_completion_body(
+            body["model"],
+            [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            1,
+            1,
+        )

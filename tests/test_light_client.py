@@ -78,6 +78,9 @@ assert not installed, f"the light venv has {installed}"
 import journeyman as jm
 from journeyman import RemoteBackend, TrainableModel, gather_trajectory_groups, read_trajectories, ruler_score_group
 import journeyman_agents, journeyman_langgraph
+import journeyman.art as art  # ART's API is light too (its `local` needs the backend extra)
+from journeyman.art import dev, rewards, utils
+assert isinstance(art.TrainableModel(name="a", project="p"), art.Model) and utils.iterate_dataset
 
 for name in jm.__all__:  # every public name resolves, the backend's too (they fail when used)
     getattr(jm, name)

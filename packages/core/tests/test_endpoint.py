@@ -225,7 +225,8 @@ async def test_a_stream_says_what_the_same_request_unstreamed_says(scripted) -> 
 async def test_the_model_is_listed_by_name_and_step(scripted) -> None:
     model, _ = scripted
     listed = await model.openai_client().models.list()
-    assert [m.id for m in listed.data] == [model.name, f"{model.name}@0"]
+    # and the base model under its own name, as vLLM lists it beside its LoRAs (test_base_model.py)
+    assert [m.id for m in listed.data] == [model.name, f"{model.name}@0", model.base_model]
 
 
 async def test_an_unknown_model_is_a_404_naming_it(scripted) -> None:

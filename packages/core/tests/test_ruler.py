@@ -12,14 +12,13 @@ import asyncio
 import functools
 import importlib.util
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import journeyman as jm
 import pytest
-from fastapi import FastAPI, Request
+from _support import RuleJudge
 from journeyman.rewards.ruler import (
     DEFAULT_RUBRIC,
     RulerConfig,
@@ -28,50 +27,6 @@ from journeyman.rewards.ruler import (
     ruler_score_group,
     truncate,
 )
-from journeyman.serving.endpoint import ServerThread
-from journeyman.serving.openai_http import chat_completion_body
-
-_TRAJ = re.compile(r'<trajectory id="(\d+)">\n(.*?)\n</trajectory>', re.DOTALL)
-
-
-class RuleJudge:
-    """A judge endpoint: 10 for a trajectory that mentions Paris, 2 otherwise; wrong on request."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        self.plan: list[str] = []  # how to answer the next requests: short | bad_ids | prose (then ok)
-        app = FastAPI()
-        app.post("/v1/chat/completions")(self._complete)
-        self.server = ServerThread(app)
-        self.base_url = self.server.base_url
-
-    async def _complete(self, request: Request) -> dict[str, Any]:
-        body = await request.json()
-        self.requests.append(body)
-        ids = body["response_format"]["json_schema"]["schema"]["properties"]["scores"]["items"]["properties"][
-            "trajectory_id"
-        ]["enum"]
-        shown = dict(_TRAJ.findall(body["messages"][1]["content"]))
-        scores = [
-            {
-                "trajectory_id": i,
-                "explanation": "names Paris" if "Paris" in shown[i] else "no",
-                "score": 10 if "Paris" in shown[i] else 2,
-            }
-            for i in ids
-        ]
-        mode = self.plan.pop(0) if self.plan else "ok"
-        if mode == "short":
-            scores = scores[:-1]
-        elif mode == "bad_ids":
-            scores[0]["trajectory_id"] = "99"
-        content = "I think they are all fine." if mode == "prose" else json.dumps({"scores": scores})
-        return chat_completion_body(
-            body["model"],
-            [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-            1,
-            1,
-        )
 
 
 @pytest.fixture(scope="module")

@@ -403,6 +403,18 @@ async def test_training_step_hot_loads_the_adapter_vllm_serves(vllm_served) -> N
     assert gap < 1e-3
     assert moved > 1e-2, "the served logprobs should differ from the base model's after a step"
 
+    # the base model under its own name, as vLLM serves it beside the LoRA: the adapter's effect is gone
+    base = await model.openai_client().chat.completions.create(
+        model=model.base_model,
+        messages=[{"role": "user", "content": "Tell me about the ocean."}],
+        max_tokens=16,
+    )
+    rec = jm.record_of(base.choices[0])
+    assert rec is not None and rec.step == 0 and base.model == model.base_model
+    with policy.base_only():
+        base_gap = max_diff(policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids), rec.logprobs)
+    assert base_gap < 1e-3, base_gap
+
 
 async def test_a_killed_server_fails_its_requests_fast_and_is_restarted_on_the_served_step(
     vllm_served,

@@ -106,7 +106,8 @@ def _by(row: dict[str, Any], trained_by: str | None) -> dict[str, Any]:
 
 
 def group_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
-    """Mean reward and the mean of every trajectory metric, over all trajectories of `groups`."""
+    """Mean reward and the mean of every trajectory metric, over all trajectories of `groups`; each
+    group metric's mean over the groups that have it, as `group_<name>`."""
     trajectories = [t for g in groups for t in g.trajectories]
     metrics: dict[str, float] = {
         "reward": sum(t.reward for t in trajectories) / max(1, len(trajectories)),
@@ -115,6 +116,9 @@ def group_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
     for key in sorted({k for t in trajectories for k in t.metrics}):
         vals = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
         metrics[key] = sum(vals) / len(vals)
+    for key in sorted({k for g in groups for k in g.metrics}):  # a group's own numbers: mean over groups
+        vals = [float(g.metrics[key]) for g in groups if key in g.metrics]
+        metrics[f"group_{key}"] = sum(vals) / len(vals)
     return metrics
 
 
@@ -364,7 +368,12 @@ class LocalBackend:
         if self.vllm_config is not None:
             context = min(context or self.vllm_config.max_model_len, self.vllm_config.max_model_len)
         endpoint = Endpoint(
-            engine, chat_format, model.name, default_max_tokens=model.max_tokens, max_context=context
+            engine,
+            chat_format,
+            model.name,
+            default_max_tokens=model.max_tokens,
+            max_context=context,
+            base_name=model.base_model,
         )
         trainer = GRPOTrainer(policy, chat_format)
         if step > 0:  # resume: the last checkpoint's adapter and optimizer state
@@ -481,12 +490,14 @@ class LocalBackend:
         """Answered by the endpoint of the model `body` names (`name`, or `name@step`)."""
         name = body.get("model")
         served = self._services.get(name.split("@")[0]) if isinstance(name, str) else None
+        if served is None:  # a base model's own name: the first model registered on it serves it
+            served = next((s for s in self._services.values() if s.endpoint.base_name == name), None)
         if served is None:
             raise UnknownModelError(str(name), self.served_names())
         return await served.endpoint.chat_completion(body, capture_id, response_id, on_text)
 
     def served_names(self) -> list[str]:
-        return [n for s in self._services.values() for n in s.endpoint.served_names()]
+        return list(dict.fromkeys(n for s in self._services.values() for n in s.endpoint.served_names()))
 
     def inference(self, model_name: str | None = None) -> Inference:
         model_name = named_or_latest(model_name, self.registered())
@@ -751,6 +762,43 @@ class LocalBackend:
 
     def run_dir(self, model: ModelConfig) -> Path:
         return RunLayout.of(self.path, model.project, model.name).root
+
+    async def push_run(
+        self,
+        model: ModelConfig,
+        url: str,
+        *,
+        delete: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> int:
+        """Copy `model`'s run (checkpoints, trajectories, history, state) to object storage at `url`
+        (any fsspec URL: s3://bucket/prefix, gs://..., a path); returns the files copied. Needs
+        `pip install 'journeyman[storage]'`."""
+        from journeyman.data.object_store import push_dir
+
+        return await asyncio.to_thread(
+            push_dir, self.run_dir(model), url, delete=delete, storage_options=storage_options
+        )
+
+    async def pull_run(
+        self,
+        model: ModelConfig,
+        url: str,
+        *,
+        delete: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> int:
+        """Copy a run pushed to `url` into `model`'s run directory, before `register`: registering
+        then resumes at its last step. Refused while the model is registered (its run is live)."""
+        from journeyman.data.object_store import pull_dir
+
+        if model.name in self._services:
+            raise InvalidFieldError(
+                "model", model.name, "is registered: pull its run before `register`, which resumes from it"
+            )
+        return await asyncio.to_thread(
+            pull_dir, url, self.run_dir(model), delete=delete, storage_options=storage_options
+        )
 
     def check_step(self, model: ModelConfig, step: int) -> None:
         """Refuse, naming it, a step `model`'s run on disk lacks: read from its run files, so a caller

@@ -10,7 +10,7 @@ import os
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from journeyman.chat.families import family_named
 from journeyman.errors import InvalidFieldError, OwnErrorsModel
@@ -62,6 +62,10 @@ OFFLOAD_HELP = (
     "so it does nothing there (logged once, metric offload_activations 0)"
 )
 
+_STRICT = ConfigDict(extra="forbid")
+"""Every settings model refuses an argument it does not know, naming it: a misspelt or foreign
+option (ART's `beta=`, `config=`) must fail, not be dropped without a word."""
+
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: `$` would let a trailing newline through
 
 
@@ -73,6 +77,8 @@ def check_name(field: str, value: str) -> str:
 
 
 class LoraConfig(BaseModel):
+    model_config = _STRICT
+
     r: int = Field(
         default=8,
         ge=1,
@@ -89,6 +95,8 @@ class LoraConfig(BaseModel):
 
 class ModelConfig(OwnErrorsModel):
     """What a backend needs to serve and train a model: its identity and its base."""
+
+    model_config = _STRICT
 
     name: str
     project: str
@@ -117,6 +125,8 @@ class ModelConfig(OwnErrorsModel):
 
 class TrainConfig(BaseModel):
     """Settings of one training step. Every field says what it does and where it comes from."""
+
+    model_config = _STRICT
 
     learning_rate: float = Field(default=5e-5, gt=0, description="AdamW learning rate")
     loss: LossKind = Field(
@@ -185,6 +195,8 @@ LrSchedule = Literal["cosine", "linear", "constant"]
 class SFTConfig(OwnErrorsModel):
     """Settings of one supervised fine-tuning call (`model.train_sft`): several optimizer steps, one
     checkpoint. The loss is the mean cross-entropy of the trained (sampled assistant) tokens."""
+
+    model_config = _STRICT
 
     learning_rate: float = Field(
         default=1e-4, description="peak AdamW learning rate (LoRA SFT usually takes 1e-4 to 2e-4)"
@@ -258,6 +270,8 @@ class SFTConfig(OwnErrorsModel):
 class TrainerConfig(BaseModel):
     """How many processes train, and how they talk (the trainer's side of scale-out)."""
 
+    model_config = _STRICT
+
     world_size: int = Field(default=1, ge=1, description="data-parallel ranks, this process included")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto", description="collectives: gloo on CPU, nccl on CUDA (auto picks by device)"
@@ -289,6 +303,8 @@ class TrainerConfig(BaseModel):
 
 
 class TrainResult(BaseModel):
+    model_config = _STRICT
+
     step: int = Field(description="the policy step after this update")
     metrics: dict[str, float] = Field(default_factory=dict)
     skipped: bool = Field(default=False, description="True when no group carried any learning signal")

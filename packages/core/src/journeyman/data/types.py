@@ -6,7 +6,7 @@ import asyncio
 import inspect
 import math
 import traceback
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -39,6 +39,8 @@ class TokenRecord(BaseModel):
     non-negative, logprobs finite, one logprob per sampled id. That the ids are in the vocabulary
     only the model knows: `LocalBackend` checks it before it writes or trains anything.
     """
+
+    model_config = ConfigDict(extra="forbid")
 
     prompt_token_ids: list[TokenId]
     token_ids: list[TokenId] = Field(description="sampled completion ids, in order")
@@ -132,7 +134,7 @@ class RolloutException(BaseModel):
 class History(OwnErrorsModel):
     """A side conversation inside a rollout (its own prompt prefix): trained or not, never merged."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
     messages_and_choices: list[MessageOrChoice] = Field(default_factory=list)
     tools: list[Tool] | None = None
@@ -191,7 +193,7 @@ class Trajectory(History):
             raise InvalidFieldError("reward", v, "must be a finite number")
         return float(v)
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, validate_assignment=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, validate_assignment=True, extra="forbid")
 
     def log(self, message: str) -> None:
         self.logs.append(message)
@@ -207,11 +209,14 @@ class TrajectoryGroup(BaseModel):
 
     Accepts finished trajectories, or awaitables of them (gathered by `gather_trajectory_groups`
     or by awaiting the group). Exceptions raised by rollouts are kept, not lost: on `exceptions`
-    when the rollout left nothing, on `dropped` when an adapter's `on_error="drop"` discarded the
-    run. A run an adapter kept despite its error is a trajectory (`error` set) and trains.
+    when the rollout left nothing (an exception given in the list lands there too, as ART's groups
+    take them), on `dropped` when an adapter's `on_error="drop"` discarded the run. A run an
+    adapter kept despite its error is a trajectory (`error` set) and trains.
+
+    A group is a sequence of its trajectories: `for t in group`, `len(group)`, `group[0]`.
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
     trajectories: list[Trajectory] = Field(default_factory=list)
     exceptions: list[RolloutException] = Field(default_factory=list)
@@ -219,25 +224,50 @@ class TrajectoryGroup(BaseModel):
         default_factory=list, description='runs that raised and were discarded by on_error="drop"'
     )
     metadata: dict[str, Any] = Field(default_factory=dict)
+    metrics: dict[str, float | int | bool] = Field(
+        default_factory=dict,
+        description="numbers about the group as a whole; a history row averages each over the groups logged",
+    )
+    logs: list[str] = Field(default_factory=list)
 
     def __init__(
-        self, trajectories: Iterable[Trajectory | Awaitable[Trajectory]] | None = None, /, **data: Any
+        self,
+        trajectories: Iterable[Trajectory | Awaitable[Trajectory] | BaseException] | None = None,
+        /,
+        **data: Any,
     ) -> None:
         items = trajectories if trajectories is not None else data.pop("trajectories", [])
         if isinstance(items, str | bytes | dict) or not isinstance(items, Iterable):
             raise InvalidFieldError("trajectories", items, "must be a list of trajectories")
         items = list(items)
+        raised: list[RolloutException] = []
         for i, t in enumerate(items):
-            if not isinstance(t, Trajectory | dict) and not inspect.isawaitable(t):
+            if isinstance(t, BaseException):
+                raised.append(RolloutException.from_exception(t))
+            elif not isinstance(t, Trajectory | dict) and not inspect.isawaitable(t):
                 raise InvalidFieldError(
                     f"trajectories[{i}]", t, "expected a Trajectory, its dict, or a rollout"
                 )
+        items = [t for t in items if not isinstance(t, BaseException)]
         pending = [t for t in items if not isinstance(t, Trajectory | dict)]
         done = [t for t in items if isinstance(t, Trajectory | dict)]
+        if raised:
+            data["exceptions"] = [*data.get("exceptions", []), *raised]
         if not items and not data.get("exceptions") and not data.get("dropped"):
             raise EmptyGroupError()
         super().__init__(trajectories=done, **data)
         self._pending = pending
+
+    # A group reads as the list of its trajectories (ART's groups do too): pydantic's own iteration
+    # yields (field, value) pairs, so `[t for t in group]` would silently be the wrong thing.
+    def __iter__(self) -> Iterator[Trajectory]:  # pyright: ignore[reportIncompatibleMethodOverride]
+        return iter(self.trajectories)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __getitem__(self, i: int) -> Trajectory:
+        return self.trajectories[i]
 
     @property
     def pending(self) -> list[Awaitable[Trajectory]]:

@@ -117,6 +117,11 @@ class SamplingParams(BaseModel):
         description="(open, close) of the model's reasoning block: free text between them comes "
         "first, the constrained output after `close` (a reasoning model with thinking on)",
     )
+    base: bool = Field(
+        default=False,
+        description="sample from the base model, the adapter disabled (a request that names the base "
+        "model, as vLLM serves it beside its LoRAs)",
+    )
     # Unbounded on purpose: only hashed to pick a replica, and the endpoint builds it from the
     # conversation's start (a long system prompt included), which its body limit already bounds.
     affinity: str | None = Field(

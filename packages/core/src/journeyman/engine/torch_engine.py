@@ -20,9 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from journeyman.engine.base import Engine, OnToken, Sample, SamplingParams, T
+import torch
+
+from journeyman.engine.base import Engine, FinishReason, OnToken, Sample, SamplingParams, T
 from journeyman.engine.batch import BatchRunner, RunnerConfig
+from journeyman.engine.sampler import generator, sample
 from journeyman.engine.scheduler import Scheduler, SchedulerConfig
+from journeyman.errors import InvalidFieldError
 from journeyman.policy.lora import LoraPolicy
 
 __all__ = ["TorchEngine"]
@@ -62,12 +66,75 @@ class TorchEngine(Engine):
         self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None = None
     ) -> list[Sample]:
         self.runner.check_prompt(prompt_ids, params)
+        if params.base:
+            if params.json_schema is not None:
+                raise InvalidFieldError(
+                    "model",
+                    "the base model",
+                    "constrained output (tool_choice, response_format) is sampled from the trained "
+                    "policy only on the in-process engine; the vLLM engine constrains the base model too",
+                )
+            return await self.scheduler.call(self._sample_base, prompt_ids, params, on_token)
         constraint = params.constraint
         if constraint is not None:
             # Compile here, off the worker: a bad schema fails this request alone (InvalidFieldError,
             # a 400), not every request batched with it; the worker then finds it compiled.
             await asyncio.to_thread(self.runner.compile, constraint)
         return await self.scheduler.submit(prompt_ids, params, on_token)
+
+    def _sample_base(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None
+    ) -> list[Sample]:
+        """The base model's samples, the adapter switched off. The batch runner's weights have the adapter
+        merged in, so these rows cannot join its batches: they run one at a time between two batches,
+        with the plain model and its own KV cache (slower; for a validator or a comparison rollout)."""
+        policy, tok = self.policy, self.tokenizer
+        out: list[Sample] = []
+        with torch.inference_mode(), policy.editing(), policy.base_only():
+            for k in range(params.n):
+                rng = generator(params.seed, k, policy.device)
+                step = policy.model(
+                    input_ids=torch.tensor([prompt_ids], device=policy.device), use_cache=True
+                )
+                ids: list[int] = []
+                lps: list[float] = []
+                top: list[list[tuple[int, float]]] = []
+                finish: FinishReason = "length"
+                text: str | None = None
+                while len(ids) < params.max_tokens:
+                    draw = sample(
+                        step.logits[:, -1].float(),
+                        [params.temperature],
+                        [params.top_p],
+                        [rng],
+                        top_logprobs=params.top_logprobs,
+                    )
+                    t = int(draw.ids[0])
+                    ids.append(t)
+                    lps.append(float(draw.logprobs[0]))
+                    if draw.top_ids is not None and draw.top_logprobs is not None:
+                        top.append(
+                            list(zip(draw.top_ids[0].tolist(), draw.top_logprobs[0].tolist(), strict=True))
+                        )
+                    if on_token is not None:
+                        on_token(k, t)
+                    if t in self.runner.stop_ids:
+                        finish = "stop"
+                        break
+                    if params.stop:
+                        done = tok.decode(ids, skip_special_tokens=True)
+                        hits = [done.find(s) for s in params.stop if s in done]
+                        if hits:
+                            text, finish = done[: min(hits)], "stop"
+                            break
+                    step = policy.model(
+                        input_ids=torch.tensor([[t]], device=policy.device),
+                        past_key_values=step.past_key_values,
+                        use_cache=True,
+                    )
+                full = text if text is not None else str(tok.decode(ids, skip_special_tokens=True))
+                out.append(Sample(ids, lps, finish, full, top))
+        return out
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the sampling thread, between two batches (`Scheduler.call`)."""

@@ -233,7 +233,7 @@ class VLLMEngine(Engine):
     def request_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
         """The `/v1/completions` body for one prompt (fields as vLLM 0.32's CompletionRequest names them)."""
         body: dict[str, Any] = {
-            "model": self.served_model,
+            "model": _BASE_NAME if params.base else self.served_model,  # vLLM serves the base by its name
             "prompt": prompt_ids,  # token ids: vLLM does not tokenize, so no BOS/whitespace drift
             "n": params.n,
             "temperature": params.temperature,

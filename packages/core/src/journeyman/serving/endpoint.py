@@ -292,10 +292,14 @@ class Endpoint:
         default_max_tokens: int = 1024,
         max_context: int | None = None,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        base_name: str | None = None,
     ) -> None:
         self.engine = engine
         self.chat_format = chat_format
         self.model_name = model_name
+        # the base model, served under its own name with the adapter off (as vLLM serves a base
+        # beside its LoRAs), for a validator or a comparison rollout; None when it is the model's name
+        self.base_name = base_name if base_name not in (None, model_name) else None
         self.default_max_tokens = default_max_tokens
         self.max_context = max_context  # prompt + completion tokens the model takes
         # the longest a request may wait for its samples (queued behind a training step included)
@@ -307,7 +311,8 @@ class Endpoint:
         self._stream_tokenizer: Any = None  # made on the first streamed request
 
     def served_names(self) -> list[str]:
-        return [self.model_name, f"{self.model_name}@{self.engine.step}"]
+        names = [self.model_name, f"{self.model_name}@{self.engine.step}"]
+        return names if self.base_name is None else [*names, self.base_name]
 
     def stats(self) -> dict[str, float]:
         """What the endpoint holds in memory and what its bounds dropped (train metrics `endpoint_*`)."""
@@ -365,6 +370,7 @@ class Endpoint:
             raise UnknownModelError(req.model, self.served_names())
         constraint = _constraint(req, self.chat_format.family)
         params = _sampling_params(req, self.default_max_tokens, constraint)
+        params.base = req.model == self.base_name
         messages = normalize_messages(req.messages)
         params.affinity = affinity_key(messages)
         # validated above as `req.tools`; rendered as sent, since their key order shows in the prompt
@@ -423,9 +429,11 @@ class Endpoint:
     ) -> dict[str, Any]:
         req, params, prompt_ids = prepared.req, prepared.params, prepared.prompt_ids
         self.completions += 1
-        # each sample's own step where the engine stamped it: a step may have landed since
-        step = next((s.step for s in samples if s.step is not None), self.engine.step)
-        name = f"{self.model_name}@{step}"
+        # step 0 is the base model (`serve_step(0)`); else the step the engine stamped on what it
+        # sampled (a step may have landed since), or the one it serves
+        stamped = next((s.step for s in samples if s.step is not None), self.engine.step)
+        step = 0 if params.base else stamped
+        name = self.base_name if params.base and self.base_name else f"{self.model_name}@{step}"
         choices = []
         fmt = self.chat_format
         for i, s in enumerate(samples):
@@ -443,7 +451,7 @@ class Endpoint:
                 token_ids=s.token_ids,
                 logprobs=s.logprobs,
                 model=name,
-                step=s.step if s.step is not None else step,
+                step=s.step if s.step is not None and not params.base else step,
                 finish_reason=finish,
                 spliced_turns=prepared.spliced,
             )

@@ -68,6 +68,11 @@ async def ruler_score_group(
     """
     if config is not None and not isinstance(config, RulerConfig):
         raise InvalidFieldError("config", config, "expected a journeyman.rewards.ruler.RulerConfig")
+    # e.g. ART's third argument, a dict of LiteLLM params, where Journeyman's rubric goes
+    if rubric is not None and not isinstance(rubric, str):
+        raise InvalidFieldError(
+            "rubric", rubric, "must be a string; completion arguments for the judge go in judge_params={...}"
+        )
     cfg = (config or RulerConfig()).with_options(**options)
     if not group.trajectories:
         return group
@@ -145,6 +150,8 @@ async def _score(
         exceptions=list(group.exceptions),
         dropped=list(group.dropped),
         metadata={**group.metadata, "ruler": info},
+        metrics=dict(group.metrics),
+        logs=list(group.logs),
     )
 
 
@@ -200,6 +207,8 @@ def _skipped(group: TrajectoryGroup, judge: str, error: Exception) -> Trajectory
         exceptions=list(group.exceptions),
         dropped=list(group.dropped),
         metadata={**group.metadata, "ruler": info},
+        metrics=dict(group.metrics),
+        logs=list(group.logs),
     )
 
 
