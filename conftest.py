@@ -64,6 +64,11 @@ FILE_SECONDS = {  # in-suite seconds (calls and setups), from a fresh-clone run 
     # at load average ~14 on 2026-11-26, when a train step of the embedded model took 273 s)
     "tests/test_art_compat.py": 90,
     "packages/core/tests/test_base_model.py": 30,
+    # estimates too: npm ci + the node suite against `journeyman serve`; the Messages API on the
+    # real model; the pipeline's two models (in process, and a `journeyman serve` child) and 5 steps
+    "tests/test_typescript.py": 150,
+    "packages/core/tests/test_messages_api.py": 60,
+    "packages/core/tests/test_pipeline.py": 110,
 }
 
 
