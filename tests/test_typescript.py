@@ -6,6 +6,7 @@ LangChain.js and `@anthropic-ai/sdk`, and trains a step on what they captured.""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -63,4 +64,5 @@ def test_the_readme_snippet_runs(built: Path, remote_server: ServerProcess) -> N
         ["node", str(snippet)], cwd=PACKAGE, env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "trained step 1 on 2 groups" in done.stdout
+    # step 1, or 0 when the two answers of each group happened to tie (a step with no signal is skipped)
+    assert re.search(r"trained step [01] on 2 groups", done.stdout), done.stdout

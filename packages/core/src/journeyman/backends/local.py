@@ -380,7 +380,7 @@ class LocalBackend:
             ckpt = store.checkpoint_dir(step)
             policy.load(ckpt)
             trainer.load_optimizer(ckpt)
-            engine.step = step
+            engine.step = policy.step = step  # the label the engine stamps on what it samples
         else:
             store.write_state(0, base_model=model.base_model)
         ranks = None

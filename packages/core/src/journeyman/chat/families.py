@@ -30,11 +30,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from journeyman.chat._pythonic import parse_python_call
-from journeyman.engine.grammar import python_kwargs_schema
 from journeyman.errors import InvalidFieldError
 
 Shape = tuple[str, str, str]  # (prefix, JSON schema, suffix), as `engine.base.Shape`
 Calls = list[dict[str, Any]]  # [{"name": .., "arguments": "<json>"}]
+
+PYTHON_KWARGS = "x-journeyman-python-kwargs"
+"""A shape's schema `{PYTHON_KWARGS: <parameters schema>}` stands for a Python call's keyword arguments
+(`city="Paris", days=2`, each value compact JSON) instead of one JSON object: Gemma 3's calls; the
+engine's grammar (`engine/grammar.py`) reads it."""
+
+
+def python_kwargs_schema(parameters: dict[str, Any]) -> str:
+    return json.dumps({PYTHON_KWARGS: parameters})
+
 
 # The parser cuts the text at its start anchor; we hand it the model's output alone, after this.
 PARSE_ANCHOR = "\x00journeyman-completion\x00"

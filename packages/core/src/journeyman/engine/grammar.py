@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
+from journeyman.chat.families import PYTHON_KWARGS
 from journeyman.errors import InvalidFieldError
 
 if TYPE_CHECKING:
@@ -30,13 +31,6 @@ if TYPE_CHECKING:
 
 SCHEMA_FIELD = "response_format.json_schema.schema"
 COMPILE_TIMEOUT_S = 10.0
-PYTHON_KWARGS = "x-journeyman-python-kwargs"
-"""A shape's schema `{PYTHON_KWARGS: <parameters schema>}` stands for a Python call's keyword arguments
-(`city="Paris", days=2`, each value compact JSON) instead of one JSON object: Gemma 3's calls."""
-
-
-def python_kwargs_schema(parameters: dict[str, Any]) -> str:
-    return json.dumps({PYTHON_KWARGS: parameters})
 
 
 def wrapped_grammar(prefix: str, schema: str, suffix: str) -> Any:
