@@ -66,9 +66,9 @@ FILE_SECONDS = {  # in-suite seconds (calls and setups), from a fresh-clone run 
     "packages/core/tests/test_base_model.py": 30,
     # estimates too: npm ci + the node suite against `journeyman serve`; the Messages API on the
     # real model; the pipeline's two models (in process, and a `journeyman serve` child) and 5 steps
-    "tests/test_typescript.py": 150,
+    "tests/test_typescript.py": 80,
     "packages/core/tests/test_messages_api.py": 60,
-    "packages/core/tests/test_pipeline.py": 110,
+    "packages/core/tests/test_pipeline.py": 80,
 }
 
 
