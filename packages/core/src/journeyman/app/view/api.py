@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 
 from journeyman.app.view.runs import Run, RunFiles, StepFile
 from journeyman.app.view.tokens import token_decoder
+from journeyman.backends.store import finite  # NaN as null: answers are strict JSON
 from journeyman.data.config import DEFAULT_BASE_MODEL
 from journeyman.errors import InvalidFieldError, JourneymanError
 from journeyman.rollout.histories import extends
@@ -460,17 +461,6 @@ def _int(query: dict[str, list[str]], name: str, default: int, high: int | None 
     return value
 
 
-def _finite(x: Any) -> Any:
-    """NaN and infinities as null: the answer is strict JSON (history rows may hold NaN)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
-
-
 def _static(path: str) -> Response:
     name = path or "index.html"
     if not _SAFE_STATIC.fullmatch(name):
@@ -493,23 +483,23 @@ def _api(runs: RunFiles, parts: list[str], query: dict[str, list[str]]) -> Respo
     if what == "version" and not rest:
         return _json_response({"version": run.version()})
     if what == "history" and not rest:
-        return _json_response(_finite(run.history()))
+        return _json_response(finite(run.history()))
     if what == "steps" and not rest:
         splits = run.splits()
         split = query.get("split", ["train" if "train" in splits else (splits or ["train"])[0]])[-1]
         if not splits:
             return _json_response(StepPage(split=split, total=0, offset=0, items=[]))
         page = steps_page(run, split, _int(query, "offset", 0), _int(query, "limit", 50, MAX_LIMIT))
-        return _json_response(_finite(page.model_dump()))
+        return _json_response(finite(page.model_dump()))
     if what == "step" and len(rest) == 2:
         f = run.step_file(rest[0], rest[1])
         view = step_view(run, f, _int(query, "offset", 0), _int(query, "limit", 50, MAX_LIMIT))
-        return _json_response(_finite(view.model_dump()))
+        return _json_response(finite(view.model_dump()))
     if what == "trajectory" and len(rest) == 4:
         f = run.step_file(rest[0], rest[1])
         group = _int({"group": [rest[2]]}, "group", 0)
         index = _int({"index": [rest[3]]}, "index", 0)
-        return _json_response(_finite(trajectory_view(run, f, group, index).model_dump()))
+        return _json_response(finite(trajectory_view(run, f, group, index).model_dump()))
     return _error(404, "no such route")
 
 
