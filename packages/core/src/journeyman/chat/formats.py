@@ -165,11 +165,7 @@ def hermes_messages(messages: list[Message], tools: list[dict[str, Any]] | None)
                 }
             )
         elif m["role"] == "tool":
-            response = "<tool_response>\n" + m["content"] + "\n</tool_response>"
-            if previous == "tool":  # consecutive results: one user turn, as roles must alternate
-                out[-1]["content"] += "\n" + response
-            else:
-                out.append({"role": "user", "content": response})
+            _tool_result(out, previous, "<tool_response>\n" + m["content"] + "\n</tool_response>")
         else:
             out.append(m)
         previous = m["role"]
@@ -199,15 +195,19 @@ def pythonic_messages(messages: list[Message], tools: list[dict[str, Any]] | Non
                 {"role": "assistant", "content": (m["content"] + "\n" if m.get("content") else "") + text}
             )
         elif m["role"] == "tool":
-            block = "```tool_output\n" + m["content"] + "\n```"
-            if previous == "tool":
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block})
+            _tool_result(out, previous, "```tool_output\n" + m["content"] + "\n```")
         else:
             out.append(m)
         previous = m["role"]
     return out
+
+
+def _tool_result(out: list[Message], previous: str | None, text: str) -> None:
+    """A tool result as a user turn; consecutive results share one turn, as roles must alternate."""
+    if previous == "tool":
+        out[-1]["content"] += "\n" + text
+    else:
+        out.append({"role": "user", "content": text})
 
 
 def _arguments(call: dict[str, Any]) -> dict[str, Any]:
