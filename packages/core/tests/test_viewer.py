@@ -44,22 +44,18 @@ TOOLS = [
 def _tiny_model_dir() -> Path:
     """A random 2-layer Llama with the embedded model's tokenizer (cached per machine)."""
     import torch
+    from _support import tiny_llama_config
     from journeyman.data.config import DEFAULT_BASE_MODEL
     from journeyman.policy.weights import resolve_base_model
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaForCausalLM
 
     out = cache_dir() / "test-models" / "viewer-tiny"
     if (out / ".complete").exists():
         return out
     tok = AutoTokenizer.from_pretrained(resolve_base_model(DEFAULT_BASE_MODEL))
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
+    config = tiny_llama_config(
+        len(tok),
+        2048,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         tie_word_embeddings=True,
