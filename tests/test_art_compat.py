@@ -18,6 +18,7 @@ from typing import Any
 
 import journeyman as jm
 import journeyman.art as art
+import openai
 import pytest
 from _support import RuleJudge
 from journeyman.art.langgraph import init_chat_model, wrap_rollout
@@ -143,6 +144,17 @@ async def test_a_prompted_model_asks_the_base_model_by_its_name(scripted: Any) -
     assert backend.engine(model).requests[-1][1].base
     assert isinstance(art.TrainableModel(name="t", project="art"), art.Model)  # as in ART
     assert jm.record_of(traj.messages_and_choices[-1]).step == 0  # type: ignore[union-attr, arg-type]
+
+    # ART's `get_inference_name(step)`: `name@step` is served while that step is; the bare name always
+    # names the latest step
+    pinned = base.model_copy(update={"inference_model_name": model.name})
+    assert pinned.get_inference_name() == model.name and pinned.get_inference_name(0) == f"{model.name}@0"
+    client = pinned.openai_client()
+    hi = [{"role": "user", "content": "Hi"}]
+    done = await client.chat.completions.create(model=pinned.get_inference_name(0), messages=hi, max_tokens=2)
+    assert jm.record_of(done.choices[0]).step == 0  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError, match="@0"):  # the 404 names the step that is served
+        await client.chat.completions.create(model=pinned.get_inference_name(5), messages=hi, max_tokens=2)
 
 
 # -- RULER and LangGraph ---------------------------------------------------------------------------------

@@ -36,6 +36,10 @@ def as_groups(items: Iterable[Any] | None, where: str) -> list[jm.TrajectoryGrou
     raise InvalidFieldError(where, items, "expected TrajectoryGroups, Trajectories, or lists of Trajectories")
 
 
+def _named(name: str, step: int | None) -> str:
+    return name if step is None else f"{name}@{step}"
+
+
 class _ModelMeta(type(BaseModel)):
     """In ART a TrainableModel is a Model (rollouts annotated `art.Model` take either): `isinstance`
     and `issubclass` say so here too, though ours builds on Journeyman's TrainableModel instead."""
@@ -66,9 +70,9 @@ class Model(BaseModel, metaclass=_ModelMeta):
     def trainable(self) -> bool:
         return False
 
-    def get_inference_name(self) -> str:
-        """The model name to send to the endpoint."""
-        return self.inference_model_name or self.name
+    def get_inference_name(self, step: int | None = None) -> str:
+        """The model name to send to the endpoint (`name@step` for one checkpoint, as ART writes it)."""
+        return _named(self.inference_model_name or self.name, step)
 
     def openai_client(self) -> AsyncOpenAI:
         from openai import AsyncOpenAI
@@ -123,9 +127,12 @@ class TrainableModel(jm.TrainableModel):
         super().__init__(**data)
         self._train_defaults = train
 
-    def get_inference_name(self) -> str:
-        """The name to send to this model's endpoint: the latest trained step."""
-        return self.inference_model_name or self.name
+    def get_inference_name(self, step: int | None = None) -> str:
+        """The name to send to this model's endpoint. Without `step`, the bare name, which the
+        endpoint always serves with the latest step: ART's LocalBackend answers `name@<latest>`,
+        a name that stops being served the moment the next step lands. With `step`, `name@step`,
+        served while that step is (else a 404 that names the step served)."""
+        return _named(self.inference_model_name or self.name, step)
 
     async def register(
         self, backend: jm.Backend, _openai_client_config: Mapping[str, Any] | None = None
