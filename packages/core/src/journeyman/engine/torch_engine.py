@@ -36,6 +36,8 @@ class TorchEngine(Engine):
     """Checks each request, hands it to the scheduler, and reports what the parts count. See
     `SchedulerConfig` for the batching and restart settings, `RunnerConfig` for prefill and KV."""
 
+    serves_other_steps = True  # on the slow path, one row at a time (`_sample_alone`)
+
     def __init__(
         self,
         policy: LoraPolicy,
@@ -74,7 +76,15 @@ class TorchEngine(Engine):
                     "constrained output (tool_choice, response_format) is sampled from the trained "
                     "policy only on the in-process engine; the vLLM engine constrains the base model too",
                 )
-            return await self.scheduler.call(self._sample_base, prompt_ids, params, on_token)
+            return await self.scheduler.call(self._sample_alone, prompt_ids, params, on_token)
+        if params.adapter is not None:
+            if params.json_schema is not None:
+                raise InvalidFieldError(
+                    "model",
+                    f"step {params.adapter_step}",
+                    "constrained output (tool_choice, response_format) is sampled by the served step only",
+                )
+            return await self.scheduler.call(self._sample_alone, prompt_ids, params, on_token)
         constraint = params.constraint
         if constraint is not None:
             # Compile here, off the worker: a bad schema fails this request alone (InvalidFieldError,
@@ -82,15 +92,18 @@ class TorchEngine(Engine):
             await asyncio.to_thread(self.runner.compile, constraint)
         return await self.scheduler.submit(prompt_ids, params, on_token)
 
-    def _sample_base(
+    def _sample_alone(
         self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None
     ) -> list[Sample]:
-        """The base model's samples, the adapter switched off. The batch runner's weights have the adapter
-        merged in, so these rows cannot join its batches: they run one at a time between two batches,
-        with the plain model and its own KV cache (slower; for a validator or a comparison rollout)."""
+        """Samples of the base model (the adapter switched off) or of another step's adapter (swapped
+        in for this call, the served one put back after it). The batch runner's weights have the
+        served adapter merged in, so these rows cannot join its batches: they run one at a time
+        between two batches, with the plain model and its own KV cache (slower; for a validator, a
+        comparison rollout, live training's canary)."""
         policy, tok = self.policy, self.tokenizer
         out: list[Sample] = []
-        with torch.inference_mode(), policy.editing(), policy.base_only():
+        weights = policy.base_only() if params.base else policy.swapped(Path(str(params.adapter)))
+        with torch.inference_mode(), policy.editing(), weights:
             for k in range(params.n):
                 rng = generator(params.seed, k, policy.device)
                 step = policy.model(
@@ -133,7 +146,7 @@ class TorchEngine(Engine):
                         use_cache=True,
                     )
                 full = text if text is not None else str(tok.decode(ids, skip_special_tokens=True))
-                out.append(Sample(ids, lps, finish, full, top))
+                out.append(Sample(ids, lps, finish, full, top, params.adapter_step))
         return out
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
