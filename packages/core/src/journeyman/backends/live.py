@@ -246,6 +246,9 @@ class LiveRun:
     def _settle(self) -> None:
         now = time.monotonic()
         for eid, e in list(self.settling.items()):
+            if self.s.captures.in_flight(eid):  # a call of it is being answered: wait for it
+                e.until = now + self.config.settle_s
+                continue
             later = self.s.captures.pop(eid)
             if later:  # calls served after the outcome: the episode is written again, whole
                 e.calls += later

@@ -818,8 +818,9 @@ class LocalBackend:
     async def _start_live(self, s: _Service, config: LiveConfig, evaluate: Evaluate | None) -> LiveStatus:
         from journeyman.backends.live import LiveRun, LiveServices
 
-        if s.live is not None:
-            s.live.stop()
+        old = s.live
+        if old is not None:
+            old.stop()
         model = s.model
 
         async def train_from(
@@ -850,6 +851,8 @@ class LocalBackend:
             record=lambda row: self._record(s, row),
         )
         s.live = LiveRun(self.run_dir(model), services, config, evaluate)
+        if old is not None:  # reconfigured: the counts go on (outcomes are counted from the journal)
+            s.live.counts.update({k: v for k, v in old.counts.items() if k != "outcomes"})
         await s.live.start()
         return s.live.status()
 

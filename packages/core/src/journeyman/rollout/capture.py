@@ -46,6 +46,7 @@ class Captures:
     def __init__(self, max_ids: int = 10_000, max_age_s: float = 3600.0) -> None:
         self._calls: OrderedDict[str, tuple[float, list[CapturedCall]]] = OrderedDict()  # oldest first
         self._dropped_ids: OrderedDict[str, None] = OrderedDict()
+        self._in_flight: dict[str, int] = {}  # requests being answered, by capture id
         self._lock = threading.Lock()
         self._max = max_ids
         self.max_age_s = max_age_s
@@ -74,6 +75,27 @@ class Captures:
             self._dropped_ids[cid] = None
             while len(self._dropped_ids) > self._max:
                 self._dropped_ids.popitem(last=False)
+
+    @contextlib.contextmanager
+    def answering(self, capture_id: str | None) -> Iterator[None]:
+        """Count a request under `capture_id` as in flight while it is answered (`in_flight`)."""
+        if capture_id is None:
+            yield
+            return
+        with self._lock:
+            self._in_flight[capture_id] = self._in_flight.get(capture_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._in_flight.pop(capture_id) - 1
+                if left:
+                    self._in_flight[capture_id] = left
+
+    def in_flight(self, capture_id: str) -> bool:
+        """Whether a request under `capture_id` is being answered now (its call is filed when it ends)."""
+        with self._lock:
+            return capture_id in self._in_flight
 
     def pop(self, capture_id: str) -> list[CapturedCall]:
         with self._lock:

@@ -340,6 +340,16 @@ class Endpoint:
     ) -> dict[str, Any]:
         """Serve one chat completion; `response_id` names the Responses API call it answers, if any;
         `on_text(choice, delta)` is told of the content as it is sampled (`streaming`)."""
+        with self.captures.answering(capture_id):  # live training waits for it before an episode trains
+            return await self._chat_completion(body, capture_id, response_id, on_text)
+
+    async def _chat_completion(
+        self,
+        body: dict[str, Any],
+        capture_id: str | None,
+        response_id: str | None,
+        on_text: OnText | None,
+    ) -> dict[str, Any]:
         prepared = await self._serially(self._prepare, body, capture_id)
         req, params = prepared.req, prepared.params
         on_token = None
