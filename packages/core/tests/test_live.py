@@ -14,11 +14,14 @@ import random
 import secrets
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import journeyman as jm
 import pytest
 from _support import tiny_model_dir
+from journeyman.backends.server import ServerProcess
 from journeyman.rollout.baseline import RunningBaseline, advantages
 
 pytestmark = pytest.mark.integration
@@ -281,3 +284,55 @@ async def test_an_eval_function_gates_a_candidate_sampled_beside_the_promoted_st
 
 def run_history(backend: Any, model: jm.TrainableModel) -> list[dict[str, Any]]:
     return backend.service(model).store.history()
+
+
+async def test_kill_9_of_the_server_with_scored_episodes_waiting_loses_none(tmp_path: Path) -> None:
+    """Episodes from any language (plain HTTP: the header, then the outcome route), scored and
+    waiting; `kill -9` of `journeyman serve`; the restarted server has every one of them, knows their
+    outcomes (a repeat is a duplicate), and trains them."""
+    token = secrets.token_urlsafe(24)
+    server = ServerProcess(tmp_path, token).start()
+    model = jm.TrainableModel(
+        name="tiny", project="kill", base_model=str(tiny_model_dir()), lora=jm.LoraConfig(r=4), max_tokens=8
+    )
+    try:
+        await model.register(jm.RemoteBackend(server.url, token=token, progress=False))
+        await model.live(jm.LiveConfig(episodes_per_step=100, settle_s=0.0))
+        auth = {"authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(base_url=server.url, headers=auth, timeout=120) as http:
+            for i in range(5):
+                ask = {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": f"Add item {i}."}],
+                    "max_tokens": 4,
+                }
+                r = await http.post(
+                    "/v1/chat/completions", json=ask, headers={"x-journeyman-capture": f"ep-{i}"}
+                )
+                assert r.status_code == 200, r.text
+                outcome = {"episode_id": f"ep-{i}", "reward": i / 4, "group": "todo" if i < 2 else None}
+                r = await http.post("/journeyman/v1/models/tiny/outcome", json=outcome)
+                assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
+            r = await http.post(
+                "/journeyman/v1/models/tiny/outcome", json={"episode_id": "ep-9", "reward": 1}
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == "episode_id"
+        assert (await model.live_status()).episodes_waiting == 5
+    finally:
+        server.kill()  # SIGKILL: nothing is flushed or closed
+    server = ServerProcess(tmp_path, token, port=server.port).start()
+    try:
+        status = await model.live_status()  # the server registered the model and resumed live training
+        assert (status.episodes_waiting, status.counts["outcomes"]) == (5, 5)
+        assert (await model.report_outcome("ep-3", 0.75)).status == "duplicate"
+        config = jm.LiveConfig(episodes_per_step=5, settle_s=0.0, gate=jm.GateConfig(canary_share=0.0))
+        await model.live(config)
+        deadline = time.monotonic() + 120
+        while (status := await model.live_status()).candidate is None:
+            assert time.monotonic() < deadline and status.error is None, status
+            await asyncio.sleep(0.2)
+        (row,) = [r for r in await model.history() if r.get("split") == "train"]
+        assert (row["parent"], row["candidate"], row["train/groups"]) == (0, 1, 4)  # ep-0 and ep-1: one group
+        assert status.promoted == 0 and status.episodes_waiting == 0 and status.counts["trained"] == 5
+    finally:
+        server.kill()
