@@ -258,9 +258,14 @@ async def test_an_eval_function_gates_a_candidate_sampled_beside_the_promoted_st
     seen: dict[str, int] = {}
 
     async def evaluate(name: str) -> float:
-        out = await model.openai_client().chat.completions.create(
-            model=name, messages=[{"role": "user", "content": "Add milk."}], max_tokens=4
+        out = await model.openai_client().chat.completions.create(  # a forced call: under its grammar
+            model=name,
+            messages=[{"role": "user", "content": "Add milk."}],
+            tools=[{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
+            tool_choice="required",
+            max_tokens=48,
         )
+        assert out.choices[0].message.tool_calls, out
         seen[name] = _step_of(out)
         bare = await model.openai_client().chat.completions.create(
             model=model.name, messages=[{"role": "user", "content": "Add milk."}], max_tokens=4

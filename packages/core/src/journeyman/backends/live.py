@@ -345,9 +345,16 @@ class LiveRun:
         """The user's evaluation of the candidate and of the promoted step (each step scored once);
         a worse candidate is rejected, else promoted, or left to the canary when it has a share."""
         assert self.evaluate is not None
-        for step in (candidate, self.promoted):
-            if step not in self.scores:
-                self.scores[step] = await self.evaluate(f"{self.s.name}@{step}")
+        try:
+            for step in (candidate, self.promoted):
+                if step not in self.scores:
+                    self.scores[step] = await self.evaluate(f"{self.s.name}@{step}")
+        except Exception as e:  # a gate that cannot evaluate does not promote
+            self.evaluated.add(candidate)
+            await self.decide(
+                "reject", candidate, f"evaluation failed: {type(e).__name__}: {e}"[:500], "gate"
+            )
+            return
         mine, theirs = self.scores[candidate], self.scores[self.promoted]
         self.evaluated.add(candidate)
         margin = self.config.gate.margin

@@ -26,7 +26,6 @@ from journeyman.engine.base import Engine, FinishReason, OnToken, Sample, Sampli
 from journeyman.engine.batch import BatchRunner, RunnerConfig
 from journeyman.engine.sampler import generator, sample
 from journeyman.engine.scheduler import Scheduler, SchedulerConfig
-from journeyman.errors import InvalidFieldError
 from journeyman.policy.lora import LoraPolicy
 
 __all__ = ["TorchEngine"]
@@ -68,22 +67,9 @@ class TorchEngine(Engine):
         self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None = None
     ) -> list[Sample]:
         self.runner.check_prompt(prompt_ids, params)
-        if params.base:
-            if params.json_schema is not None:
-                raise InvalidFieldError(
-                    "model",
-                    "the base model",
-                    "constrained output (tool_choice, response_format) is sampled from the trained "
-                    "policy only on the in-process engine; the vLLM engine constrains the base model too",
-                )
-            return await self.scheduler.call(self._sample_alone, prompt_ids, params, on_token)
-        if params.adapter is not None:
-            if params.json_schema is not None:
-                raise InvalidFieldError(
-                    "model",
-                    f"step {params.adapter_step}",
-                    "constrained output (tool_choice, response_format) is sampled by the served step only",
-                )
+        if params.base or params.adapter is not None:
+            if params.constraint is not None:  # compiled off the worker, as below
+                await asyncio.to_thread(self.runner.compile, params.constraint)
             return await self.scheduler.call(self._sample_alone, prompt_ids, params, on_token)
         constraint = params.constraint
         if constraint is not None:
@@ -114,12 +100,15 @@ class TorchEngine(Engine):
                 top: list[list[tuple[int, float]]] = []
                 finish: FinishReason = "length"
                 text: str | None = None
+                matcher = self.runner.matcher(params.constraint)  # a grammar, as a batch row has
                 while len(ids) < params.max_tokens:
+                    logits = step.logits[:, -1].float()
                     draw = sample(
-                        step.logits[:, -1].float(),
+                        logits,
                         [params.temperature],
                         [params.top_p],
                         [rng],
+                        allowed=None if matcher is None else self.runner.allowed(matcher, logits),
                         top_logprobs=params.top_logprobs,
                     )
                     t = int(draw.ids[0])
@@ -131,7 +120,9 @@ class TorchEngine(Engine):
                         )
                     if on_token is not None:
                         on_token(k, t)
-                    if t in self.runner.stop_ids:
+                    if matcher is not None:
+                        matcher.accept_token(t)
+                    if t in self.runner.stop_ids or (matcher is not None and matcher.is_terminated()):
                         finish = "stop"
                         break
                     if params.stop:
