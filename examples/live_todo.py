@@ -179,7 +179,7 @@ def plot(
 async def main(args: argparse.Namespace) -> None:
     train, held_out = load_scenarios("train"), load_scenarios("eval")[: args.eval_scenarios]
     async with jm.LocalBackend(path=args.path) as backend:
-        model = jm.TrainableModel(name=args.name, project="examples", max_tokens=64)
+        model = jm.TrainableModel(name=args.name, project="live-example", max_tokens=64)
         await model.register(backend)
         t_register = time.monotonic()
         config = jm.LiveConfig(
@@ -196,9 +196,12 @@ async def main(args: argparse.Namespace) -> None:
         wall0 = time.time()  # the history's clock, at the users' start
         await asyncio.gather(*(users.user() for _ in range(args.users)))
         await asyncio.gather(*list(users.reports))
-        # let the last candidate be judged, then stop
+        # let the last full step train and its candidate be judged, then stop
         deadline = time.monotonic() + args.final_wait_s
-        while (await model.live_status()).candidate is not None and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            status = await model.live_status()
+            if status.candidate is None and status.episodes_waiting < args.episodes_per_step:
+                break
             await asyncio.sleep(1)
         status = await model.live_status()
         history = await model.history()
