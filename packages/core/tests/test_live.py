@@ -164,6 +164,10 @@ async def test_outcomes_early_twice_unknown_and_expired(live: tuple[jm.Trainable
     with pytest.raises(jm.InvalidFieldError) as e:
         await model.report_outcome("x", float("nan"))
     assert e.value.field == "reward"
+    # nothing trains or serves past the gate while it decides
+    with pytest.raises(jm.InvalidFieldError) as e:
+        await model.serve_step(0)
+    assert "live training decides" in e.value.reason
 
 
 def _step_of(completion: Any) -> int:

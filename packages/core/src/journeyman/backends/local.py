@@ -117,6 +117,17 @@ def _by(row: dict[str, Any], trained_by: str | None) -> dict[str, Any]:
     return row if trained_by is None else {**row, "trained_by": trained_by}
 
 
+def _not_live(s: _Service, field: str, value: Any) -> None:
+    """Refuse a step or a served step chosen past the gate while live training decides them."""
+    if s.live is not None and s.live.config.enabled:
+        raise InvalidFieldError(
+            field,
+            value,
+            "live training decides what trains and what is served for this model: decide('promote', step=N) "
+            "serves a step, or turn it off with LiveConfig(enabled=False)",
+        )
+
+
 def group_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
     """Mean reward and the mean of every trajectory metric, over all trajectories of `groups`; each
     group metric's mean over the groups that have it, as `group_<name>`."""
@@ -530,6 +541,7 @@ class LocalBackend:
 
     async def serve_step(self, model: ModelConfig, step: int) -> None:
         s = self.service(model)
+        _not_live(s, "step", step)
         async with s.step_lock:
             await self._serve_step(s, step)
 
@@ -681,6 +693,8 @@ class LocalBackend:
         if key is not None and (done := s.store.request_result(key)) is not None:
             return _result_of(done)
         step = s.store.latest_step()
+        if parent is None:
+            _not_live(s, "groups", f"{len(groups)} groups")
         if parent is not None and s.engine.step != parent:
             raise InvalidFieldError("parent", parent, f"is not the step served (step {s.engine.step} is)")
         if parent is None and s.engine.step != step:
