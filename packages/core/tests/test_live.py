@@ -265,9 +265,9 @@ async def test_an_eval_function_gates_a_candidate_sampled_beside_the_promoted_st
         out = await model.openai_client().chat.completions.create(  # a forced call: under its grammar
             model=name,
             messages=[{"role": "user", "content": "Add milk."}],
-            tools=[{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
+            tools=[{"type": "function", "function": {"name": "add", "parameters": NO_ARGUMENTS}}],
             tool_choice="required",
-            max_tokens=48,
+            max_tokens=96,
         )
         assert out.choices[0].message.tool_calls, out
         seen[name] = _step_of(out)
@@ -289,6 +289,9 @@ async def test_an_eval_function_gates_a_candidate_sampled_beside_the_promoted_st
     cand = row["step"]
     assert seen == {f"{model.name}@{cand}": cand, f"{model.name}@{promoted}": promoted}
     assert row["live/eval"] == 0.0 and row["live/eval_promoted"] == 1.0 and run.promoted == promoted
+
+
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def run_history(backend: Any, model: jm.TrainableModel) -> list[dict[str, Any]]:
