@@ -127,8 +127,9 @@ class Population:
 
 def held_out_eval(model: jm.TrainableModel, tasks: list[Scenario]) -> Any:
     async def evaluate(name: str) -> float:  # greedy, one request per task, on the step `name` names
-        done = [(await attempt(model, s, name, 0.0))[0] for s in tasks]
-        return sum(done) / len(done)
+        # all at once: the engine runs them back to back after one drain of the users' rows
+        done = await asyncio.gather(*(attempt(model, s, name, 0.0) for s in tasks))
+        return sum(ok for ok, _ in done) / len(done)
 
     return evaluate
 
@@ -203,7 +204,8 @@ async def main(args: argparse.Namespace) -> None:
             if status.candidate is None and status.episodes_waiting < args.episodes_per_step:
                 break
             await asyncio.sleep(1)
-        status = await model.live_status()
+        # off, after the step or decision under way (exiting in the middle of one would cut it off)
+        status = await model.live(config.model_copy(update={"enabled": False}))
         history = await model.history()
         wall = time.monotonic() - t_register
     served = users.served

@@ -20,6 +20,7 @@ canary share of new episodes) until the gate decides. Every decision is a histor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -160,11 +161,19 @@ class LiveRun:
             self.task = asyncio.create_task(self._loop())
 
     def stop(self) -> None:
-        for t in (self.task, self.busy):
-            if t is not None:
-                t.cancel()
-        self.task = self.busy = None
+        """Stop the loop. A step or a decision under way is not cut off (a step cut off in the middle
+        would leave the weights changed and unsaved): `close` waits for it."""
+        if self.task is not None:
+            self.task.cancel()
+        self.task = None
         self.s.set_route(None)
+
+    async def close(self) -> None:
+        """Stop the loop and wait for the step or decision under way, if any."""
+        self.stop()
+        if self.busy is not None:
+            with contextlib.suppress(Exception):
+                await self.busy
 
     def _serve_candidate(self) -> None:
         self.s.side_steps.clear()
@@ -489,6 +498,7 @@ class LiveRun:
                 "promoted_reward": _mean(theirs) if theirs else 0.0,
             },
             decisions=self.decisions[-KEPT_DECISIONS:],
+            busy=self.busy is not None and not self.busy.done(),
             error=self.error,
         )
 

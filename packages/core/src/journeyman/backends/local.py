@@ -834,7 +834,7 @@ class LocalBackend:
 
         old = s.live
         if old is not None:
-            old.stop()
+            await old.close()  # a step under way finishes first
         model = s.model
 
         async def train_from(

@@ -193,6 +193,7 @@ class LiveStatus(BaseModel):
         description="the judged candidate's and the promoted step's live numbers"
     )
     decisions: list[Decision] = Field(description="the latest decisions, newest last")
+    busy: bool = Field(default=False, description="a step trains, or a candidate is being judged, now")
     error: str | None = Field(default=None, description="the live loop's last error, if any")
 
 
