@@ -100,6 +100,7 @@ async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[
     )
     await model.register(backend)
     yield model, backend
+    await model.live(jm.LiveConfig(enabled=False))  # after the step under way, if any
     backend.close()
 
 
@@ -123,7 +124,10 @@ async def _until(check: Any, timeout_s: float = 60.0) -> None:
 
 async def test_outcomes_early_twice_unknown_and_expired(live: tuple[jm.TrainableModel, Any]) -> None:
     model, backend = live
-    await model.live(QUICK.model_copy(update={"episodes_per_step": 100, "episode_ttl_s": 600}))
+    # settle_s: how long after the outcome a later call may still start (generous: a loaded CI machine)
+    await model.live(
+        QUICK.model_copy(update={"episodes_per_step": 100, "episode_ttl_s": 600, "settle_s": 3.0})
+    )
     run = backend.service(model).live
 
     # before the episode ends: the outcome takes the first call; a call after it joins within settle_s
@@ -282,10 +286,13 @@ async def test_an_eval_function_gates_a_candidate_sampled_beside_the_promoted_st
     run = backend.service(model).live
     promoted = run.promoted
     await _episodes(model, 4, lambda step: random.random(), "eval")
-    await _until(lambda: bool(_rows(run_history(backend, model), split="live", decision="reject", by="gate")))
-    (row,) = [
-        r for r in _rows(run_history(backend, model), split="live", by="gate") if "evaluation" in r["reason"]
-    ]
+
+    def judged() -> list[dict[str, Any]]:
+        gated = _rows(run_history(backend, model), split="live", by="gate")
+        return [r for r in gated if "evaluation" in r["reason"]]
+
+    await _until(lambda: bool(judged()), 300)
+    (row,) = judged()
     cand = row["step"]
     assert seen == {f"{model.name}@{cand}": cand, f"{model.name}@{promoted}": promoted}
     assert row["live/eval"] == 0.0 and row["live/eval_promoted"] == 1.0 and run.promoted == promoted
