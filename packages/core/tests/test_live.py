@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import random
 import secrets
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -353,5 +355,11 @@ async def test_kill_9_of_the_server_with_scored_episodes_waiting_loses_none(tmp_
         (row,) = [r for r in await model.history() if r.get("split") == "train"]
         assert (row["parent"], row["candidate"], row["train/groups"]) == (0, 1, 4)  # ep-0 and ep-1: one group
         assert status.promoted == 0 and status.episodes_waiting == 0 and status.counts["trained"] == 5
+        # the status command, as a person runs it
+        cli = [sys.executable, "-m", "journeyman.app.cli", "live", "status", "tiny", "--server", server.url]
+        shown = subprocess.run(
+            [*cli, "--token", token], capture_output=True, text=True, timeout=120, check=True
+        ).stdout
+        assert "promoted step 0, candidate 1" in shown and "5 trained in 1 steps" in shown, shown
     finally:
         server.kill()
