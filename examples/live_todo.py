@@ -60,6 +60,7 @@ class Served:
     at: float  # seconds since the start
     step: int  # the step that served it
     success: bool
+    poisoned: bool  # its reward was inverted
 
 
 async def attempt(model: jm.TrainableModel, s: Scenario, name: str, temperature: float) -> tuple[bool, int]:
@@ -110,7 +111,7 @@ class Population:
             poisoned = self.poisoned()
             with self.model.episode(eid):
                 success, step = await attempt(self.model, s, self.model.name, self.args.temperature)
-            self.served.append(Served(time.monotonic() - self.t0, step, success))
+            self.served.append(Served(time.monotonic() - self.t0, step, success, poisoned))
             if self.rng.random() < self.args.missing:
                 self.missing += 1  # this user never says: the episode expires, counted
                 continue
@@ -156,10 +157,9 @@ def plot(
     if curve:
         label = f"served success (last {args.window} episodes)"
         ax.plot([t for t, _ in curve], [r for _, r in curve], color="tab:blue", label=label)
-    if args.poison_to > args.poison_from and served:
-        n = len(served)
-        a, b = int(args.poison_from * n), min(n - 1, int(args.poison_to * n))
-        ax.axvspan(served[a].at, served[b].at, color="tab:red", alpha=0.12, label="rewards inverted")
+    poisoned = [s.at for s in served if s.poisoned]
+    if poisoned:
+        ax.axvspan(min(poisoned), max(poisoned), color="tab:red", alpha=0.12, label="rewards inverted")
     marks = {"promote": ("tab:green", "^"), "reject": ("tab:red", "x"), "rollback": ("tab:orange", "v")}
     seen: set[str] = set()
     for at, decision in decisions:
