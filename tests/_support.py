@@ -250,6 +250,33 @@ def tiny_llama_config(vocab_size: int = 128, max_position_embeddings: int = 256,
     )
 
 
+def tiny_model_dir() -> Path:
+    """A random 2-layer Llama (`tiny_llama_config`) with the embedded model's tokenizer, saved once per
+    machine: a `base_model` that a LocalBackend loads and trains in a second (it says nothing useful)."""
+    import torch
+    from journeyman.data.config import DEFAULT_BASE_MODEL
+    from journeyman.data.paths import cache_dir
+    from journeyman.policy.weights import resolve_base_model
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    out = cache_dir() / "test-models" / "viewer-tiny"
+    if (out / ".complete").exists():
+        return out
+    tok = AutoTokenizer.from_pretrained(resolve_base_model(DEFAULT_BASE_MODEL))
+    config = tiny_llama_config(
+        len(tok),
+        2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / ".complete").write_text("ok\n")
+    return out
+
+
 def embedded_policy_with_adapter() -> Any:
     """A `LoraPolicy` of the embedded model whose adapter changes its outputs (PEFT starts LoRA's B
     at 0): seeded random B matrices, the policy's version bumped as a training step would."""

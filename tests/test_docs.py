@@ -77,6 +77,8 @@ READER_NAMES: dict[tuple[str, str], set[str]] = {
         "if isinstance(run.exception, OutputGuardrailTripwireTriggered)",
     ): set(),
     ("docs/ruler.md", "rollout(model, s)"): {"rollout", "model", "scenarios"},
+    ("README.md", "await model.live(jm.LiveConfig(episodes_per_step=16))"): {"run_agent"},
+    ("docs/live.md", "await model.report_outcome(episode_id, reward=1.0, metrics="): {"run_agent"},
     # also asks a judge server on 127.0.0.1:8000
     ("docs/ruler.md", "rubric=MY_RUBRIC"): {"MY_RUBRIC"},
     ("docs/ruler.md", "await complete_json("): {"messages", "schema"},
@@ -91,6 +93,9 @@ EXTERNAL: dict[tuple[str, str], str] = {
     ("README.md", "jm.RemoteBackend("): (
         "a `journeyman serve` server on 127.0.0.1:7800 and its $JOURNEYMAN_TOKEN"
         " (RemoteBackend itself: packages/core/tests/test_remote.py)"
+    ),
+    ("docs/live.md", 'jm.RemoteBackend("http://gpu-box:7800")'): (
+        "a `journeyman serve` server at gpu-box:7800 (live training itself: packages/core/tests/test_live.py)"
     ),
     ("README.md", "await fetch_review_set("): (
         "a Langfuse server (LANGFUSE_* keys) holding human-scored traces, and block 1's model"

@@ -164,6 +164,17 @@ def check_langfuse(runs: Path, out: str, langfuse: Any) -> None:
     assert [row["step"] for row in history if row["split"] == "train"] == [0], history
 
 
+def check_live(runs: Path, out: str, langfuse: Any) -> None:
+    """Users' episodes through the endpoint, outcomes posted later, a step trained on its own from the
+    promoted step, and the gate's decision on it (a history row)."""
+    assert "served success" in out and "episodes served: 4" in out, out[-2000:]
+    history = _history(runs / "live-example" / "models" / "live-todo")
+    (train,) = [row for row in history if row["split"] == "train"]
+    assert (train["parent"], train["candidate"], train["trained_by"]) == (0, 1, "live"), train
+    (decision,) = [row for row in history if row["split"] == "live"]
+    assert decision["step"] == 1 and decision["by"] == "gate" and "live/eval" in decision, decision
+
+
 def check_sft_warmup(runs: Path, out: str, langfuse: Any) -> None:
     """The collected successes (token-recorded), one SFT step, then RL from its adapter."""
     run_dir = runs / "sft-warmup" / "models" / "todo-sft"
@@ -209,6 +220,14 @@ EXAMPLE_RUNS = [
             "0",
         ),
         check_sft_warmup,
+    ),
+    Example(
+        "live_todo.py",
+        (
+            *("--users", "2", "--episodes", "4", "--episodes-per-step", "4", "--eval-scenarios", "1"),
+            *("--max-delay-s", "1", "--missing", "0", "--final-wait-s", "300"),
+        ),
+        check_live,
     ),
     Example("ruler_train.py", (*SMALLEST, "--max-tokens", "8", "--explanation-chars", "20"), check_ruler),
     Example(

@@ -20,8 +20,8 @@ from typing import Any
 
 import journeyman as jm
 import pytest
+from _support import tiny_model_dir
 from journeyman.app.view.server import ViewerServer
-from journeyman.data.paths import cache_dir
 
 pytestmark = pytest.mark.timeout(900)  # setup included: a training run on a loaded 2-core machine
 
@@ -39,32 +39,6 @@ TOOLS = [
         },
     }
 ]
-
-
-def _tiny_model_dir() -> Path:
-    """A random 2-layer Llama with the embedded model's tokenizer (cached per machine)."""
-    import torch
-    from _support import tiny_llama_config
-    from journeyman.data.config import DEFAULT_BASE_MODEL
-    from journeyman.policy.weights import resolve_base_model
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    out = cache_dir() / "test-models" / "viewer-tiny"
-    if (out / ".complete").exists():
-        return out
-    tok = AutoTokenizer.from_pretrained(resolve_base_model(DEFAULT_BASE_MODEL))
-    config = tiny_llama_config(
-        len(tok),
-        2048,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    tok.save_pretrained(out)
-    (out / ".complete").write_text("ok\n")
-    return out
 
 
 async def _rollout(model: jm.TrainableModel, task: str) -> jm.Trajectory:
@@ -113,7 +87,7 @@ class _Run:
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.backend = jm.LocalBackend(path=root)
         self.model = jm.TrainableModel(
-            name="tiny", project="viewer", base_model=str(_tiny_model_dir()), lora=jm.LoraConfig(r=4)
+            name="tiny", project="viewer", base_model=str(tiny_model_dir()), lora=jm.LoraConfig(r=4)
         )
         self.call(self.model.register(self.backend))
         self.run_dir = Path(self.model.run_dir)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from journeyman.client.model import Capture, TrainableModel
 from journeyman.client.pipeline import PipelineConfig, PipelineResult, PipelineTrainer
-from journeyman.client.protocol import Backend, Inference, current_backend
+from journeyman.client.protocol import Backend, Inference, LiveBackend, current_backend
 from journeyman.client.remote import RemoteBackend
 from journeyman.data.config import (
     DEFAULT_BASE_MODEL,
@@ -25,6 +25,7 @@ from journeyman.data.config import (
     TrainResult,
 )
 from journeyman.data.failures import OnError
+from journeyman.data.live import GateConfig, LiveConfig, LiveStatus
 from journeyman.data.trajectory_file import read_trajectories, write_trajectories
 from journeyman.data.types import (
     History,
@@ -101,11 +102,15 @@ __all__ = [
     "EmptyGroupError",
     "EngineDownError",
     "EngineTimeoutError",
+    "GateConfig",
     "History",
     "ImpossiblePlanError",
     "Inference",
     "InvalidFieldError",
     "JourneymanError",
+    "LiveBackend",
+    "LiveConfig",
+    "LiveStatus",
     "LocalBackend",
     "LoraConfig",
     "ModelConfig",

@@ -14,6 +14,7 @@ from journeyman.app.langfuse_cli import app as langfuse_app
 from journeyman.app.options import Fields, with_fields
 from journeyman.backends.plan import PRESETS, Layout, TrainingSetup
 from journeyman.data.config import LoraConfig, ModelConfig, SFTConfig, TrainConfig, TrainerConfig
+from journeyman.data.live import LiveConfig, LiveStatus
 from journeyman.data.paths import RunLayout, RunRoot
 
 app = typer.Typer(
@@ -437,6 +438,107 @@ def token_list(path: _TOKEN_PATH = Path(".journeyman")) -> None:
 
     for t in TokenBook(RunRoot(path).tokens).tokens():
         typer.echo(f"{t.name}\t{t.scope}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(t.created_at))}")
+
+
+live_app = typer.Typer(
+    help="Live training on `journeyman serve` (docs/live.md): start it, see its status, decide by hand.",
+    no_args_is_help=True,
+)
+app.add_typer(live_app, name="live")
+LIVE = Fields(LiveConfig, exclude=["train", "gate"], panel="Live training (LiveConfig)")
+GATE = Fields.nested(LiveConfig, "gate", prefix="gate_", panel="The gate (GateConfig)")
+LIVE_TRAIN = Fields.nested(LiveConfig, "train", only=["learning_rate"], panel="Training")
+_MODEL = Annotated[str, typer.Argument(help="the served model's name")]
+_SERVER = Annotated[str, typer.Option(help="the URL `journeyman serve` printed")]
+_SERVER_TOKEN = Annotated[str | None, typer.Option(help="the server's token (default: $JOURNEYMAN_TOKEN)")]
+
+
+def _remote_call(server: str, token: str | None, model: str, call: Any) -> Any:
+    """`call(backend, model config)` on the server's model, its errors as one red line."""
+    import journeyman as jm
+    from journeyman.errors import JourneymanError
+
+    async def run() -> Any:
+        backend = jm.RemoteBackend(server, token=token, progress=False)
+        # the model's config as the server serves it: its status and decisions need only the name
+        return await call(backend, ModelConfig(name=model, project="live"))
+
+    try:
+        return asyncio.run(run())
+    except JourneymanError as e:
+        typer.secho(f"journeyman live: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+
+
+@live_app.command("start")
+@with_fields(live=LIVE, gate=GATE, train=LIVE_TRAIN)
+def live_start(
+    model: _MODEL,
+    server: _SERVER = "http://127.0.0.1:7800",
+    token: _SERVER_TOKEN = None,
+    *,
+    live: dict[str, Any],
+    gate: dict[str, Any],
+    train: dict[str, Any],
+) -> None:
+    """Start (or reconfigure) live training of a served model: scored episodes train candidates in the
+    background, and the gate decides which serve."""
+    config = LIVE.build(live, gate=GATE.build(gate), train=LIVE_TRAIN.build(train))
+    status = _remote_call(server, token, model, lambda b, m: b.live(m, config))
+    typer.echo(_status_text(status))
+
+
+@live_app.command("status")
+def live_status(
+    model: _MODEL,
+    server: _SERVER = "http://127.0.0.1:7800",
+    token: _SERVER_TOKEN = None,
+    as_json: Annotated[bool, typer.Option("--json", help="the LiveStatus as JSON")] = False,
+) -> None:
+    """Traffic, waiting episodes, the candidate, the promoted step and the last decisions."""
+    status = _remote_call(server, token, model, lambda b, m: b.live_status(m))
+    typer.echo(status.model_dump_json(indent=1) if as_json else _status_text(status))
+
+
+@live_app.command("decide")
+def live_decide(
+    model: _MODEL,
+    action: Annotated[str, typer.Argument(help="promote, reject or rollback")],
+    step: Annotated[
+        int | None, typer.Option(help="default: the candidate; for rollback, the promoted step")
+    ] = None,
+    reason: Annotated[str, typer.Option(help="why (kept in the history row)")] = "",
+    server: _SERVER = "http://127.0.0.1:7800",
+    token: _SERVER_TOKEN = None,
+) -> None:
+    """Promote a step, reject the candidate, or roll the promoted step back to its parent."""
+    if action not in ("promote", "reject", "rollback"):
+        raise typer.BadParameter("use promote, reject or rollback", param_hint="action")
+    d = _remote_call(server, token, model, lambda b, m: b.decide(m, action, step, reason))
+    typer.echo(f"{d.action} step {d.step}: serving step {d.served} ({d.reason})")
+
+
+def _status_text(s: LiveStatus) -> str:
+    c = s.counts
+    lines = [
+        f"promoted step {s.promoted}, candidate {s.candidate if s.candidate is not None else '-'}, "
+        f"latest checkpoint {s.latest}{'' if s.enabled else ' (live training off)'}",
+        f"episodes: {s.episodes_open} open, {s.episodes_waiting} scored and waiting, {c.get('trained', 0)} trained "
+        f"in {c.get('steps', 0)} steps",
+        f"outcomes: {c.get('outcomes', 0)} ({c.get('duplicates', 0)} repeated, {c.get('unknown', 0)} unknown, "
+        f"{c.get('refused_expired', 0)} too late); {c.get('expired', 0)} episodes expired, {c.get('stale', 0)} stale",
+    ]
+    if s.candidate is not None:
+        k = s.canary
+        lines.append(
+            f"canary: candidate {k['candidate_reward']:.3f} (n={k['candidate_episodes']:.0f}) vs promoted "
+            f"{k['promoted_reward']:.3f} (n={k['promoted_episodes']:.0f})"
+        )
+    for d in s.decisions[-5:]:
+        lines.append(f"  {d.action} step {d.step} -> serving {d.served} by {d.by}: {d.reason}")
+    if s.error:
+        lines.append(f"last error: {s.error}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from pydantic import ValidationError
+
 from journeyman._extras import require_backend
-from journeyman.backends.store import TRAINING_SPLITS, Attempt, RunStore
+from journeyman.backends.store import TRAINING_SPLITS, Attempt, RunStore, write_atomic
 from journeyman.backends.tracking import Trackers, check_report_to, open_trackers
 from journeyman.client.operations import LOG, TRAIN, TRAIN_SFT
-from journeyman.client.protocol import Inference, Progress, named_or_latest
+from journeyman.client.protocol import Evaluate, Inference, Progress, named_or_latest
+from journeyman.client.wire import body_error
 from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainerConfig, TrainResult, check_name
+from journeyman.data.live import (
+    Decision,
+    DecisionAction,
+    EpisodeOutcome,
+    LiveConfig,
+    LiveStatus,
+    OutcomeReceipt,
+)
 from journeyman.data.paths import RunLayout
 from journeyman.data.provenance import staleness_metrics
 from journeyman.data.trajectory_file import check_trajectories
@@ -27,6 +38,7 @@ from journeyman.rollout.capture import CapturedCall
 from journeyman.rollout.observe import GroupContext, emit
 
 if TYPE_CHECKING:
+    from journeyman.backends.live import LiveRun
     from journeyman.chat.formats import ChatFormat
     from journeyman.engine import Engine
     from journeyman.engine.vllm_server import VLLMConfig
@@ -105,6 +117,17 @@ def _by(row: dict[str, Any], trained_by: str | None) -> dict[str, Any]:
     return row if trained_by is None else {**row, "trained_by": trained_by}
 
 
+def _not_live(s: _Service, field: str, value: Any) -> None:
+    """Refuse a step or a served step chosen past the gate while live training decides them."""
+    if s.live is not None and s.live.config.enabled:
+        raise InvalidFieldError(
+            field,
+            value,
+            "live training decides what trains and what is served for this model: decide('promote', step=N) "
+            "serves a step, or turn it off with LiveConfig(enabled=False)",
+        )
+
+
 def group_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
     """Mean reward and the mean of every trajectory metric, over all trajectories of `groups`; each
     group metric's mean over the groups that have it, as `group_<name>`."""
@@ -139,6 +162,7 @@ class _Service:
     step_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sft: SFTTrainer | None = None  # made on the first `train_sft`
     engine_counts: dict[str, int] = field(default_factory=dict)  # `Engine.counters()` at the last step
+    live: LiveRun | None = None  # live training, once `LocalBackend.live` started it
 
     def engine_metrics(self) -> dict[str, float]:
         """What the engine counted since the last step (prefill tokens, KV reuse), as `engine_*`."""
@@ -332,6 +356,7 @@ class LocalBackend:
             served = self._services.get(model.name)
             if served is None:
                 self._services[model.name] = await asyncio.to_thread(self._start, model)
+                await self._resume_live(self._services[model.name])
                 return
             for field in ("project", "base_model", "lora", "chat_format"):
                 if getattr(served.model, field) != getattr(model, field):
@@ -516,6 +541,7 @@ class LocalBackend:
 
     async def serve_step(self, model: ModelConfig, step: int) -> None:
         s = self.service(model)
+        _not_live(s, "step", step)
         async with s.step_lock:
             await self._serve_step(s, step)
 
@@ -604,14 +630,18 @@ class LocalBackend:
         idempotency_key: str | None,
         on_progress: Progress | None,
         trained_by: str | None,
+        parent: int | None = None,
     ) -> TrainResult:
         """A step's life, whatever trains it: the idempotency key's earlier result if it has one;
         else the groups written as an attempt, the update with the engine asleep, then the checkpoint
-        committed and served, and the history row; the attempt marked failed if anything raises."""
+        committed and served, and the history row; the attempt marked failed if anything raises.
+
+        With `parent` (live training: the promoted step, which the engine serves) the step trains
+        from it and its checkpoint (the latest + 1) is a candidate: written, not served."""
         if idempotency_key is not None:
             check_name("idempotency_key", idempotency_key)
         async with s.step_lock:
-            begun = self._begin(s, model, update.groups, update.split, idempotency_key)
+            begun = self._begin(s, model, update.groups, update.split, idempotency_key, parent)
             if isinstance(begun, TrainResult):
                 return begun
             attempt = begun
@@ -634,7 +664,7 @@ class LocalBackend:
                     metrics = {**await update.settle(s, metrics), **rollout_metrics}
                     if updated:
                         return await self._checkpoint(
-                            s, model, attempt, metrics, update.groups, idempotency_key, trained_by
+                            s, model, attempt, metrics, update.groups, idempotency_key, trained_by, parent
                         )
                     result = TrainResult(step=attempt.step, metrics=metrics, skipped=True)  # nothing learned
                     self._commit(s, model, attempt.step, attempt, idempotency_key, result)
@@ -656,16 +686,24 @@ class LocalBackend:
         groups: list[TrajectoryGroup],
         split: str,
         key: str | None,
+        parent: int | None = None,
     ) -> Attempt | TrainResult:
         """The attempt of a new update (its step, its groups written and announced); or the result
         of the committed call with idempotency key `key`."""
         if key is not None and (done := s.store.request_result(key)) is not None:
             return _result_of(done)
         step = s.store.latest_step()
-        if s.engine.step != step:
-            raise InvalidFieldError(
-                "step", s.engine.step, f"an older checkpoint is served: serve_step({step}) before training"
+        if parent is None:
+            _not_live(s, "groups", f"{len(groups)} groups")
+        if parent is not None and s.engine.step != parent:
+            raise InvalidFieldError("parent", parent, f"is not the step served (step {s.engine.step} is)")
+        if parent is None and s.engine.step != step:
+            why = (
+                "live training serves it (docs/live.md)"
+                if s.live is not None
+                else f"serve_step({step}) before training"
             )
+            raise InvalidFieldError("step", s.engine.step, f"an older checkpoint is served: {why}")
         attempt = s.store.begin_attempt(groups, split, step, key)
         emit(
             groups,
@@ -682,8 +720,10 @@ class LocalBackend:
         groups: list[TrajectoryGroup],
         key: str | None,
         trained_by: str | None,
+        parent: int | None = None,
     ) -> TrainResult:
-        """Commit the updated adapter as step + 1, serve it, and record the step's history row."""
+        """Commit the updated adapter as step + 1, serve it (unless it is a live candidate: then the
+        parent is served again), and record the step's history row, with its parent."""
         step, split = attempt.step, attempt.split
         new_step = step + 1
         try:
@@ -691,15 +731,30 @@ class LocalBackend:
         except CheckpointError:
             # Nothing was committed: the step is undone in memory too, so what trains and serves
             # next is the last good step, not weights that exist nowhere on disk.
-            await s.engine.call(s.restore, step)
+            await s.engine.call(s.restore, step if parent is None else parent)
             raise
         t0 = time.perf_counter()
-        await s.engine.load_adapter(ckpt, new_step)
+        if parent is None:
+            await s.engine.load_adapter(ckpt, new_step)
+        else:
+            await self._serve_trained(s, parent)
         metrics["adapter_load_seconds"] = time.perf_counter() - t0
         result = TrainResult(step=new_step, metrics=metrics)
         self._commit(s, model, new_step, attempt, key, result)
-        self._record(s, _by({"step": step, "split": split, **_prefixed(split, metrics)}, trained_by), groups)
+        row = {"step": step, "split": split, "parent": step if parent is None else parent}
+        if parent is not None:
+            row["candidate"] = new_step
+        self._record(s, _by({**row, **_prefixed(split, metrics)}, trained_by), groups)
         return result
+
+    async def _serve_trained(self, s: _Service, step: int) -> None:
+        """Serve `step` with its adapter and optimizer state in the policy, so the next step trains
+        from it (a live candidate's parent, a promoted or rolled-back step)."""
+        await s.engine.call(s.restore, step)
+        ckpt = s.store.checkpoint_dir(step)
+        if step == 0:  # the base model: a zero adapter, saved where an engine process can load it
+            await s.engine.call(s.policy.save, ckpt)
+        await s.engine.load_adapter(ckpt, step)
 
     @staticmethod
     def _commit(
@@ -751,6 +806,113 @@ class LocalBackend:
         return out
 
     log = LOG.implemented_by(_log)  # with the arguments' defaults as `Backend` declares them
+
+    # -- live training (`LiveBackend`, backends/live.py, docs/live.md) -------------------------------
+
+    async def live(
+        self, model: ModelConfig, config: LiveConfig | None = None, *, evaluate: Evaluate | None = None
+    ) -> LiveStatus:
+        """Start (or reconfigure) live training of `model` (see `LiveBackend.live`); the settings are
+        kept in the run directory, so a restarted server goes on (an `evaluate` function is not kept:
+        its gate falls back to the canary, or to a person)."""
+        s = self.service(model)
+        config = config or LiveConfig()
+        if not s.engine.serves_other_steps and (config.gate.canary_share > 0 or evaluate is not None):
+            raise InvalidFieldError(
+                "config.gate.canary_share",
+                config.gate.canary_share,
+                "this engine serves one step at a time (vLLM, engine replicas): a candidate cannot be "
+                "sampled beside the promoted step; set canary_share=0, no evaluate, and decide by command",
+            )
+        live_dir = self.run_dir(model) / "live"
+        live_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(live_dir / "config.json", config.model_dump_json(indent=1))
+        return await self._start_live(s, config, evaluate)
+
+    async def _start_live(self, s: _Service, config: LiveConfig, evaluate: Evaluate | None) -> LiveStatus:
+        from journeyman.backends.live import LiveRun, LiveServices
+
+        old = s.live
+        if old is not None:
+            await old.close()  # a step under way finishes first
+        model = s.model
+
+        async def train_from(
+            groups: list[TrajectoryGroup], config: TrainConfig, key: str, parent: int
+        ) -> TrainResult:
+            update = _GRPOUpdate(_check_groups(groups), config)
+            return await self._step(
+                s, model, update, idempotency_key=key, on_progress=None, trained_by="live", parent=parent
+            )
+
+        async def serve(step: int) -> None:
+            async with s.step_lock:
+                s.store.check_step(step)
+                await self._serve_trained(s, step)
+
+        def set_route(route: Callable[[str | None], int | None] | None) -> None:
+            s.endpoint.route = route
+
+        services = LiveServices(
+            name=model.name,
+            captures=s.endpoint.captures,
+            side_steps=s.endpoint.side_steps,
+            set_route=set_route,
+            train_from=train_from,
+            serve=serve,
+            checkpoint_dir=s.store.checkpoint_dir,
+            latest_step=s.store.latest_step,
+            record=lambda row: self._record(s, row),
+        )
+        s.live = LiveRun(self.run_dir(model), services, config, evaluate)
+        if old is not None:  # reconfigured: the counts go on (outcomes are counted from the journal)
+            s.live.counts.update({k: v for k, v in old.counts.items() if k != "outcomes"})
+        await s.live.start()
+        return s.live.status()
+
+    async def _resume_live(self, s: _Service) -> None:
+        path = self.run_dir(s.model) / "live" / "config.json"
+        if path.exists():
+            await self._start_live(s, LiveConfig.model_validate_json(path.read_text()), None)
+
+    def _live(self, model: ModelConfig) -> LiveRun:
+        s = self.service(model)
+        if s.live is None:
+            raise InvalidFieldError("model", model.name, "live training is off: start it with `live` first")
+        return s.live
+
+    async def report_outcome(
+        self,
+        model: ModelConfig,
+        episode_id: str,
+        reward: float,
+        metrics: Mapping[str, float] | None = None,
+        group: str | None = None,
+    ) -> OutcomeReceipt:
+        run = self._live(model)
+        try:
+            outcome = EpisodeOutcome(
+                episode_id=episode_id, reward=reward, metrics=dict(metrics or {}), group=group
+            )
+        except ValidationError as e:
+            raise body_error(e) from e
+        return run.report(outcome)
+
+    async def live_status(self, model: ModelConfig) -> LiveStatus:
+        return self._live(model).status()
+
+    async def decide(
+        self,
+        model: ModelConfig,
+        action: DecisionAction,
+        step: int | None = None,
+        reason: str = "",
+        *,
+        trained_by: str | None = None,
+    ) -> Decision:
+        if action not in ("promote", "reject", "rollback"):
+            raise InvalidFieldError("action", action, "one of promote, reject, rollback")
+        return await self._live(model).decide(action, step, reason or "by command", trained_by or "command")
 
     async def history(self, model: ModelConfig) -> list[dict[str, Any]]:
         return self.service(model).store.history()
@@ -807,6 +969,8 @@ class LocalBackend:
 
     def close(self) -> None:
         for s in self._services.values():
+            if s.live is not None:
+                s.live.stop()
             s.server.stop()
             s.engine.close()
             if s.ranks is not None:

@@ -18,6 +18,7 @@ certificate and key.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -226,8 +227,9 @@ def create_app(
             arguments.update((await _body(request, op.body, max_body_bytes)).arguments())
         if op is REGISTER:
             return await _register(backend, arguments["model"])
-        if op.progress_unit is not None:
+        if "trained_by" in inspect.signature(op.declared).parameters:  # who asked: the caller's token
             arguments["trained_by"] = _token_name(request)
+        if op.progress_unit is not None:
             return start(
                 arguments["idempotency_key"],
                 lambda progress: op.call(backend, {**arguments, "on_progress": progress}),

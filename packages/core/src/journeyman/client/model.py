@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from pydantic import PrivateAttr
 
-from journeyman.client.protocol import CLIENT_TIMEOUT_S, Backend, Inference, set_current_backend
+from journeyman.client.protocol import (
+    CLIENT_TIMEOUT_S,
+    Backend,
+    Evaluate,
+    Inference,
+    LiveBackend,
+    set_current_backend,
+)
 from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainResult
+from journeyman.data.live import Decision, DecisionAction, LiveConfig, LiveStatus, OutcomeReceipt
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError, JourneymanError
 from journeyman.rollout.capture import CapturedCall, add_capture_header, capture_scope
@@ -148,6 +156,44 @@ class TrainableModel(ModelConfig):
     async def pop_captures(self, capture_ids: Sequence[str]) -> dict[str, list[CapturedCall]]:
         """The calls the endpoint filed under each capture id (see `capture_scope`), taken off it."""
         return await self.backend.pop_captures(self, capture_ids)
+
+    # -- live training (docs/live.md) ----------------------------------------------------------
+
+    def _live(self) -> LiveBackend:
+        backend = self.backend
+        if not isinstance(backend, LiveBackend):
+            raise InvalidFieldError(
+                "backend", backend, "does not do live training (LocalBackend, RemoteBackend do)"
+            )
+        return backend
+
+    def episode(self, episode_id: str | None = None) -> AbstractContextManager[str]:
+        """Mark every request made in this context as one live episode (the clients of this model send
+        `x-journeyman-capture: <id>`); yields the id, under which `report_outcome` posts its result."""
+        return capture_scope(episode_id)
+
+    async def live(self, config: LiveConfig | None = None, *, evaluate: Evaluate | None = None) -> LiveStatus:
+        """Start (or reconfigure) live training: scored episodes train candidates in the background,
+        and a gate decides which serve (`evaluate(model_name)` scores `name@<step>`, in-process only)."""
+        return await self._live().live(self, config, evaluate=evaluate)
+
+    async def report_outcome(
+        self,
+        episode_id: str,
+        reward: float,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        group: str | None = None,
+    ) -> OutcomeReceipt:
+        """The outcome of a live episode, whenever it is known (idempotent)."""
+        return await self._live().report_outcome(self, episode_id, reward, metrics, group)
+
+    async def live_status(self) -> LiveStatus:
+        return await self._live().live_status(self)
+
+    async def decide(self, action: DecisionAction, step: int | None = None, reason: str = "") -> Decision:
+        """Promote a step (default: the candidate), reject the candidate, or roll back the promoted step."""
+        return await self._live().decide(self, action, step, reason)
 
     @asynccontextmanager
     async def capture(self) -> AsyncIterator[Capture]:

@@ -24,13 +24,16 @@ from typing import Any, Generic, Literal, TypeVar, cast
 
 from pydantic import TypeAdapter
 
-from journeyman.client.protocol import Backend
+from journeyman.client.protocol import Backend, LiveBackend
 from journeyman.client.wire import (
     PREFIX,
     Body,
     CapturesBody,
+    DecideBody,
     DeleteCheckpointsBody,
+    LiveBody,
     LogBody,
+    OutcomeBody,
     RegisterBody,
     Registered,
     SFTBody,
@@ -38,6 +41,7 @@ from journeyman.client.wire import (
     TrainBody,
 )
 from journeyman.data.config import TrainResult
+from journeyman.data.live import Decision, LiveStatus, OutcomeReceipt
 from journeyman.rollout.capture import CapturedCall
 
 Scope = Literal["sample", "train", "admin"]
@@ -141,6 +145,10 @@ POP_CAPTURES       = Operation(Backend.pop_captures,       "POST", "/models/{nam
 SERVE_STEP         = Operation(Backend.serve_step,         "POST", "/models/{name}/serve_step",         StepBody,              None,                          True,      "train")
 DELETE_CHECKPOINTS = Operation(Backend.delete_checkpoints, "POST", "/models/{name}/delete_checkpoints", DeleteCheckpointsBody, list[int],                     False,     "admin")
 RUN_DIR            = Operation(Backend.run_dir,            "GET",  "/models/{name}/run_dir",            None,                  Path,                          True,      "sample")
+LIVE               = Operation(LiveBackend.live,           "POST", "/models/{name}/live",               LiveBody,              LiveStatus,                    True,      "train")
+REPORT_OUTCOME     = Operation(LiveBackend.report_outcome, "POST", "/models/{name}/outcome",            OutcomeBody,           OutcomeReceipt,                True,      "sample")
+LIVE_STATUS        = Operation(LiveBackend.live_status,    "GET",  "/models/{name}/live_status",        None,                  LiveStatus,                    True,      "sample")
+DECIDE             = Operation(LiveBackend.decide,         "POST", "/models/{name}/decide",             DecideBody,            Decision,                      False,     "train")
 # fmt: on
 # RUN_DIR is served only: a RemoteBackend answers `run_dir` with what `register` answered.
 
@@ -155,6 +163,10 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     SERVE_STEP,
     DELETE_CHECKPOINTS,
     RUN_DIR,
+    LIVE,
+    REPORT_OUTCOME,
+    LIVE_STATUS,
+    DECIDE,
 )
 
 __all__ = ["OPERATIONS", "Operation", "Scope"]

@@ -19,10 +19,8 @@ wall-clock gains and the reasons behind the defaults.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import inspect
-import json
 import logging
 import secrets
 import time
@@ -33,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from journeyman.data.config import TrainConfig, TrainResult
+from journeyman.data.journal import GroupJournal
 from journeyman.data.provenance import oldest_step
 from journeyman.data.types import Outcome, Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError, TooManyExceptionsError
@@ -130,69 +129,6 @@ class PipelineResult(BaseModel):
     )
 
 
-class _Journal:
-    """Finished groups, appended before they train; what became of each id (trained, dropped, or a
-    train call sent) beside them. A line is written whole with one `write` and flushed: a `kill -9`
-    keeps every line written, and a line it cut short is skipped on reading."""
-
-    def __init__(self, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        self.groups, self.settled = folder / "groups.jsonl", folder / "settled.jsonl"
-
-    @staticmethod
-    def _lines(path: Path) -> list[dict[str, Any]]:
-        out = []
-        for line in path.read_text().splitlines() if path.exists() else []:
-            with contextlib.suppress(json.JSONDecodeError):
-                out.append(json.loads(line))
-        return out
-
-    def pending(self) -> tuple[_Batch | None, list[tuple[str, TrajectoryGroup]]]:
-        """(the batch whose train call was sent and never answered, with its idempotency key; the
-        other finished groups not yet trained or dropped)."""
-        done: set[str] = set()
-        sent: dict[str, Any] | None = None
-        for row in self._lines(self.settled):
-            if row["how"] == "training":
-                sent = row
-            else:
-                done.update(row["ids"])
-                if sent is not None and set(sent["ids"]) <= done:
-                    sent = None
-        groups = {
-            row["id"]: TrajectoryGroup.model_validate(row["group"])
-            for row in self._lines(self.groups)
-            if row["id"] not in done
-        }
-        batch = None
-        if sent is not None:
-            batch = _Batch(sent["key"], [(i, groups.pop(i)) for i in sent["ids"] if i in groups])
-        return batch, list(groups.items())
-
-    def add(self, gid: str, group: TrajectoryGroup) -> None:
-        line = json.dumps({"id": gid, "group": group.model_dump(mode="json")}, allow_nan=False)
-        self._append(self.groups, line)
-
-    def settle(self, ids: Sequence[str], how: str, step: int, key: str | None = None) -> None:
-        if ids:
-            row: dict[str, Any] = {"ids": list(ids), "how": how, "step": step}
-            if key is not None:
-                row["key"] = key
-            self._append(self.settled, json.dumps(row))
-
-    @staticmethod
-    def _append(path: Path, line: str) -> None:
-        with path.open("a") as f:
-            f.write(line + "\n")
-
-
-class _Batch:
-    """A step's groups and the idempotency key its train call is sent with."""
-
-    def __init__(self, key: str, groups: list[tuple[str, TrajectoryGroup]]) -> None:
-        self.key, self.groups = key, groups
-
-
 class _Bar:
     """The progress line: steps done, with rollouts in flight, queue depth, staleness, reward."""
 
@@ -272,7 +208,7 @@ class _Run(Generic[S]):
         cfg = trainer.config
         self.t, self.cfg, self.model, self.num_steps = trainer, cfg, trainer.model, num_steps
         self.cap = cfg.max_in_flight or cfg.groups_per_step * (cfg.max_steps_off_policy + 1)
-        self.journal = _Journal(trainer._journal_dir())
+        self.journal = GroupJournal(trainer._journal_dir())
         # finished groups by id; None wakes the trainer to see that the scenarios ran out
         self.queue: asyncio.Queue[tuple[str, TrajectoryGroup] | None] = asyncio.Queue()
         self.room = asyncio.Condition()

@@ -15,7 +15,7 @@ other threads keeps its own state safe. Models are addressed by name (the `Model
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -23,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import BaseModel, Field
 
 from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainResult
+from journeyman.data.live import Decision, DecisionAction, LiveConfig, LiveStatus, OutcomeReceipt
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError
 from journeyman.rollout.capture import CapturedCall
@@ -136,6 +137,55 @@ class Backend(Protocol):
 
 
 @runtime_checkable
+class LiveBackend(Protocol):
+    """Live training (docs/live.md): episodes from live traffic, outcomes posted whenever they are
+    known, candidates trained in the background and gated before they serve. `LocalBackend` and
+    `RemoteBackend` implement it beside the `Backend`."""
+
+    async def live(
+        self, model: ModelConfig, config: LiveConfig | None = None, *, evaluate: Evaluate | None = None
+    ) -> LiveStatus:
+        """Start (or reconfigure) live training of `model`; it goes on until `config.enabled` is
+        False. `evaluate(model_name)` scores the model served as `model_name` (`name@<step>`) for the
+        gate; in this process only (a remote backend refuses it)."""
+        ...
+
+    async def report_outcome(
+        self,
+        model: ModelConfig,
+        episode_id: str,
+        reward: float,
+        metrics: Mapping[str, float] | None = None,
+        group: str | None = None,
+    ) -> OutcomeReceipt:
+        """The outcome of the episode whose requests carried `x-journeyman-capture: <episode_id>`:
+        final, idempotent (the same outcome again is a `duplicate`), refused for an unknown or
+        expired episode and for a second, different reward."""
+        ...
+
+    async def live_status(self, model: ModelConfig) -> LiveStatus:
+        """Traffic, waiting episodes, the candidate, the promoted step and the last decisions."""
+        ...
+
+    async def decide(
+        self,
+        model: ModelConfig,
+        action: DecisionAction,
+        step: int | None = None,
+        reason: str = "",
+        *,
+        trained_by: str | None = None,
+    ) -> Decision:
+        """A person's decision: promote a step (default: the candidate), reject the candidate, or
+        roll the promoted step back to its parent; a history row (with `trained_by`, the token)."""
+        ...
+
+
+Evaluate = Callable[[str], Awaitable[float]]
+"""`evaluate(model name)`: a score of the model served under that name (`name@<step>`), higher better."""
+
+
+@runtime_checkable
 class ServedBackend(Backend, Protocol):
     """A Backend that `journeyman serve` can put on the network: besides the Backend, its models by
     name and their OpenAI endpoint, which the server answers on its own origin. `LocalBackend` is one.
@@ -201,7 +251,9 @@ __all__ = [
     "CLIENT_TIMEOUT_S",
     "REQUEST_TIMEOUT_S",
     "Backend",
+    "Evaluate",
     "Inference",
+    "LiveBackend",
     "Progress",
     "ServedBackend",
     "current_backend",

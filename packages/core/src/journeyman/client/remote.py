@@ -24,12 +24,16 @@ from typing import Any
 import httpx
 
 from journeyman.client.operations import (
+    DECIDE,
     DELETE_CHECKPOINTS,
     GET_STEP,
     HISTORY,
+    LIVE,
+    LIVE_STATUS,
     LOG,
     POP_CAPTURES,
     REGISTER,
+    REPORT_OUTCOME,
     SERVE_STEP,
     TRAIN,
     TRAIN_SFT,
@@ -162,6 +166,13 @@ class RemoteBackend:
                 arguments["trained_by"],
                 "the server records the name of the token that calls it",
             )
+        if arguments.get("evaluate") is not None:
+            raise InvalidFieldError(
+                "evaluate",
+                arguments["evaluate"],
+                "an eval function runs in the server's process: give it to LocalBackend.live there, or "
+                "evaluate name@<step> from here and `decide`",
+            )
         body = op.body.of(arguments) if op.body is not None else None  # a bad argument fails here, named
         if not self._checked:
             await self._check_server()
@@ -258,6 +269,11 @@ class RemoteBackend:
     pop_captures = POP_CAPTURES.forwarded_to(_send)
     serve_step = SERVE_STEP.forwarded_to(_send)
     delete_checkpoints = DELETE_CHECKPOINTS.forwarded_to(_send)
+    # live training (`LiveBackend`, docs/live.md)
+    live = LIVE.forwarded_to(_send)
+    report_outcome = REPORT_OUTCOME.forwarded_to(_send)
+    live_status = LIVE_STATUS.forwarded_to(_send)
+    decide = DECIDE.forwarded_to(_send)
 
     def run_dir(self, model: ModelConfig) -> Path:
         """The run directory on the server's machine (as the server reported it at registration)."""

@@ -18,6 +18,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainResult, check_name
+from journeyman.data.live import DecisionAction, LiveConfig
 from journeyman.data.trajectory_file import check_trajectories
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError
@@ -122,6 +123,27 @@ class StepBody(Body):
 
 class DeleteCheckpointsBody(Body):
     best_checkpoint_metric: str = "val/reward"
+
+
+class LiveBody(Body):
+    config: LiveConfig | None = None
+
+
+class OutcomeBody(Body):
+    """An episode's outcome, as `curl` posts it: `{"episode_id": "...", "reward": 1.0}`."""
+
+    episode_id: str = Field(description="the x-journeyman-capture header value of the episode's requests")
+    reward: float
+    metrics: dict[str, float] | None = None
+    group: str | None = Field(default=None, description="episodes of one task share a key")
+
+
+class DecideBody(Body):
+    action: DecisionAction
+    step: int | None = Field(
+        default=None, description="default: the candidate (promote, reject), the promoted step (rollback)"
+    )
+    reason: str = ""
 
 
 class TrainEvent(BaseModel):

@@ -145,6 +145,12 @@ class TrainConfig(BaseModel):
         default=True,
         description="divide advantages by the group's reward std (GRPO); False = Dr. GRPO centring only",
     )
+    advantages: Literal["group", "given"] = Field(
+        default="group",
+        description="group: A = reward minus the group's mean (over its std with scale_rewards), GRPO; given: "
+        "each trajectory's reward already is its advantage (a baseline was subtracted by the caller, as "
+        "live training does: docs/live.md), trained as it is, in groups of any size",
+    )
     tis_cap: float | None = Field(
         default=None,
         gt=0,

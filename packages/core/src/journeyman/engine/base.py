@@ -122,6 +122,15 @@ class SamplingParams(BaseModel):
         description="sample from the base model, the adapter disabled (a request that names the base "
         "model, as vLLM serves it beside its LoRAs)",
     )
+    adapter: str | None = Field(
+        default=None,
+        description="sample with the adapter saved in this checkpoint directory instead of the served one "
+        "(a request naming `name@<step>` of a step served beside it: live training's candidate); only an "
+        "engine with `serves_other_steps` takes it",
+    )
+    adapter_step: int | None = Field(
+        default=None, ge=0, description="the step `adapter` is, stamped on its samples"
+    )
     # Unbounded on purpose: only hashed to pick a replica, and the endpoint builds it from the
     # conversation's start (a long system prompt included), which its body limit already bounds.
     affinity: str | None = Field(
@@ -161,6 +170,8 @@ class Engine(ABC):
     """Samples completions for token-id prompts under the current policy step."""
 
     step: int = 0
+    serves_other_steps: bool = False
+    """Whether a request may name another checkpoint than the served one (`SamplingParams.adapter`)."""
 
     @abstractmethod
     async def generate(

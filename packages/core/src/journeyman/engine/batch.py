@@ -205,6 +205,16 @@ class BatchRunner(Generic[RequestT]):
         InvalidFieldError here, for its own request alone."""
         self._grammar_cache().compile(constraint)
 
+    def matcher(self, constraint: Constraint | None) -> Any:
+        """A grammar matcher for one row sampled outside the batches (None: unconstrained)."""
+        return self._grammar(constraint)
+
+    def allowed(self, matcher: Any, logits: torch.Tensor) -> torch.Tensor:
+        """(1, V) the tokens `matcher` allows after what it accepted, for one row's logits (1, V)."""
+        forbidden = logits.new_zeros(logits.shape)
+        self._grammar_cache().mask(matcher, forbidden, 0)
+        return forbidden == 0
+
     # -- the scheduler's thread ----------------------------------------------------------------------
 
     @property

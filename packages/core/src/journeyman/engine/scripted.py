@@ -58,8 +58,11 @@ class ScriptedEngine(Engine):
 
     `requests` keeps each (prompt ids, params) asked, in order; `adapters` each (path, step)
     loaded. `delay_s` holds every answer that long (a slow or stuck engine); a callable script that
-    raises fails only its own request, as a real engine's bad request does.
+    raises fails only its own request, as a real engine's bad request does. A request for another
+    step (`params.adapter`) is answered by the same script, its samples stamped with that step.
     """
+
+    serves_other_steps = True
 
     def __init__(
         self,
@@ -146,7 +149,7 @@ class ScriptedEngine(Engine):
             [(t, lp), *[((t + j) % self.vocab_size, lp - j) for j in range(1, params.top_logprobs)]]
             for t, lp in zip(ids, logprobs, strict=True)
         ]
-        return Sample(ids, logprobs, finish, text, top if params.top_logprobs else [])
+        return Sample(ids, logprobs, finish, text, top if params.top_logprobs else [], params.adapter_step)
 
     async def load_adapter(self, path: Path, step: int) -> None:
         self.adapters.append((path, step))

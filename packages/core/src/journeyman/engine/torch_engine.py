@@ -26,7 +26,6 @@ from journeyman.engine.base import Engine, FinishReason, OnToken, Sample, Sampli
 from journeyman.engine.batch import BatchRunner, RunnerConfig
 from journeyman.engine.sampler import generator, sample
 from journeyman.engine.scheduler import Scheduler, SchedulerConfig
-from journeyman.errors import InvalidFieldError
 from journeyman.policy.lora import LoraPolicy
 
 __all__ = ["TorchEngine"]
@@ -35,6 +34,8 @@ __all__ = ["TorchEngine"]
 class TorchEngine(Engine):
     """Checks each request, hands it to the scheduler, and reports what the parts count. See
     `SchedulerConfig` for the batching and restart settings, `RunnerConfig` for prefill and KV."""
+
+    serves_other_steps = True  # on the slow path, one row at a time (`_sample_alone`)
 
     def __init__(
         self,
@@ -66,15 +67,10 @@ class TorchEngine(Engine):
         self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None = None
     ) -> list[Sample]:
         self.runner.check_prompt(prompt_ids, params)
-        if params.base:
-            if params.json_schema is not None:
-                raise InvalidFieldError(
-                    "model",
-                    "the base model",
-                    "constrained output (tool_choice, response_format) is sampled from the trained "
-                    "policy only on the in-process engine; the vLLM engine constrains the base model too",
-                )
-            return await self.scheduler.call(self._sample_base, prompt_ids, params, on_token)
+        if params.base or params.adapter is not None:
+            if params.constraint is not None:  # compiled off the worker, as below
+                await asyncio.to_thread(self.runner.compile, params.constraint)
+            return await self.scheduler.call(self._sample_alone, prompt_ids, params, on_token)
         constraint = params.constraint
         if constraint is not None:
             # Compile here, off the worker: a bad schema fails this request alone (InvalidFieldError,
@@ -82,15 +78,18 @@ class TorchEngine(Engine):
             await asyncio.to_thread(self.runner.compile, constraint)
         return await self.scheduler.submit(prompt_ids, params, on_token)
 
-    def _sample_base(
+    def _sample_alone(
         self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None
     ) -> list[Sample]:
-        """The base model's samples, the adapter switched off. The batch runner's weights have the adapter
-        merged in, so these rows cannot join its batches: they run one at a time between two batches,
-        with the plain model and its own KV cache (slower; for a validator or a comparison rollout)."""
+        """Samples of the base model (the adapter switched off) or of another step's adapter (swapped
+        in for this call, the served one put back after it). The batch runner's weights have the
+        served adapter merged in, so these rows cannot join its batches: they run one at a time
+        between two batches, with the plain model and its own KV cache (slower; for a validator, a
+        comparison rollout, live training's canary)."""
         policy, tok = self.policy, self.tokenizer
         out: list[Sample] = []
-        with torch.inference_mode(), policy.editing(), policy.base_only():
+        weights = policy.base_only() if params.base else policy.swapped(Path(str(params.adapter)))
+        with torch.inference_mode(), policy.editing(), weights:
             for k in range(params.n):
                 rng = generator(params.seed, k, policy.device)
                 step = policy.model(
@@ -101,12 +100,15 @@ class TorchEngine(Engine):
                 top: list[list[tuple[int, float]]] = []
                 finish: FinishReason = "length"
                 text: str | None = None
+                matcher = self.runner.matcher(params.constraint)  # a grammar, as a batch row has
                 while len(ids) < params.max_tokens:
+                    logits = step.logits[:, -1].float()
                     draw = sample(
-                        step.logits[:, -1].float(),
+                        logits,
                         [params.temperature],
                         [params.top_p],
                         [rng],
+                        allowed=None if matcher is None else self.runner.allowed(matcher, logits),
                         top_logprobs=params.top_logprobs,
                     )
                     t = int(draw.ids[0])
@@ -118,7 +120,9 @@ class TorchEngine(Engine):
                         )
                     if on_token is not None:
                         on_token(k, t)
-                    if t in self.runner.stop_ids:
+                    if matcher is not None:
+                        matcher.accept_token(t)
+                    if t in self.runner.stop_ids or (matcher is not None and matcher.is_terminated()):
                         finish = "stop"
                         break
                     if params.stop:
@@ -133,7 +137,7 @@ class TorchEngine(Engine):
                         use_cache=True,
                     )
                 full = text if text is not None else str(tok.decode(ids, skip_special_tokens=True))
-                out.append(Sample(ids, lps, finish, full, top))
+                out.append(Sample(ids, lps, finish, full, top, params.adapter_step))
         return out
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:

@@ -202,6 +202,26 @@ class LoraPolicy:
         with self.model.disable_adapter():
             yield
 
+    @contextlib.contextmanager
+    def swapped(self, path: Path) -> Iterator[None]:
+        """The adapter saved at `path` in place of the live one, which is put back after (bit-exact:
+        the LoRA matrices are copied aside, not recomputed). Hold `editing()` around it."""
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        file = path / "adapter_model.safetensors"
+        if not file.exists():
+            raise InvalidFieldError("checkpoint", str(path), "has no adapter_model.safetensors")
+        with self._exclusive():
+            kept = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+            set_peft_model_state_dict(self.model, load_file(str(file), device=str(self.device)))
+            self.version += 1  # caches of activations under the live adapter are stale meanwhile
+            try:
+                yield
+            finally:
+                set_peft_model_state_dict(self.model, kept)
+                self.version += 1
+
     def sampled_logprobs(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
         """Teacher-forced logprobs of `token_ids` after `prompt_ids` under the current weights, unmerged
         as the trainer sees them, to compare with what an engine recorded for the same sample."""

@@ -39,14 +39,17 @@ class Captures:
     """Server side: calls filed by capture id, bounded so that ids nobody pops cannot grow memory.
 
     An id is dropped (counted in `dropped`) when `max_ids` newer ids are held, or when no call was
-    filed under it for `max_age_s`: an episode still running keeps its id alive.
+    filed under it for `max_age_s`: an episode still running keeps its id alive. The latest
+    `max_ids` dropped ids are remembered (`was_dropped`), so a late outcome is told it expired.
     """
 
     def __init__(self, max_ids: int = 10_000, max_age_s: float = 3600.0) -> None:
         self._calls: OrderedDict[str, tuple[float, list[CapturedCall]]] = OrderedDict()  # oldest first
+        self._dropped_ids: OrderedDict[str, None] = OrderedDict()
+        self._in_flight: dict[str, int] = {}  # requests being answered, by capture id
         self._lock = threading.Lock()
         self._max = max_ids
-        self._max_age_s = max_age_s
+        self.max_age_s = max_age_s
         self.dropped = 0
 
     def add(self, capture_id: str, call: CapturedCall) -> None:
@@ -55,15 +58,58 @@ class Captures:
             _, calls = self._calls.pop(capture_id, (now, []))
             calls.append(call)
             self._calls[capture_id] = (now, calls)
-            while self._calls and (
-                len(self._calls) > self._max or next(iter(self._calls.values()))[0] < now - self._max_age_s
-            ):
-                self._calls.popitem(last=False)
-                self.dropped += 1
+            self._expire(now)
+
+    def expire(self) -> int:
+        """Drop the ids past `max_age_s` now (`add` does it too); returns `dropped`."""
+        with self._lock:
+            self._expire(time.monotonic())
+            return self.dropped
+
+    def _expire(self, now: float) -> None:
+        while self._calls and (
+            len(self._calls) > self._max or next(iter(self._calls.values()))[0] < now - self.max_age_s
+        ):
+            cid, _ = self._calls.popitem(last=False)
+            self.dropped += 1
+            self._dropped_ids[cid] = None
+            while len(self._dropped_ids) > self._max:
+                self._dropped_ids.popitem(last=False)
+
+    @contextlib.contextmanager
+    def answering(self, capture_id: str | None) -> Iterator[None]:
+        """Count a request under `capture_id` as in flight while it is answered (`in_flight`)."""
+        if capture_id is None:
+            yield
+            return
+        with self._lock:
+            self._in_flight[capture_id] = self._in_flight.get(capture_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._in_flight.pop(capture_id) - 1
+                if left:
+                    self._in_flight[capture_id] = left
+
+    def in_flight(self, capture_id: str) -> bool:
+        """Whether a request under `capture_id` is being answered now (its call is filed when it ends)."""
+        with self._lock:
+            return capture_id in self._in_flight
 
     def pop(self, capture_id: str) -> list[CapturedCall]:
         with self._lock:
             return self._calls.pop(capture_id, (0.0, []))[1]
+
+    def last_call(self, capture_id: str) -> float | None:
+        """When (time.monotonic) the latest call under `capture_id` was filed; None: none is held."""
+        with self._lock:
+            held = self._calls.get(capture_id)
+            return None if held is None else held[0]
+
+    def was_dropped(self, capture_id: str) -> bool:
+        with self._lock:
+            return capture_id in self._dropped_ids
 
     def __len__(self) -> int:
         return len(self._calls)

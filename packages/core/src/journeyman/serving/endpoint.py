@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, NamedTuple, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
@@ -306,12 +307,18 @@ class Endpoint:
         self.request_timeout_s = request_timeout_s
         self.sampled = SampledTurns()
         self.captures = Captures()
+        # Steps served beside the engine's own (live training's candidate), by checkpoint directory:
+        # a request naming `name@<step>` is sampled by that step, and `route(capture id)` may send a
+        # request naming the bare model there too (the canary share of episodes); None: the served step.
+        self.side_steps: dict[int, Path] = {}
+        self.route: Callable[[str | None], int | None] | None = None
         self.completions = 0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journeyman-prepare")
         self._stream_tokenizer: Any = None  # made on the first streamed request
 
     def served_names(self) -> list[str]:
         names = [self.model_name, f"{self.model_name}@{self.engine.step}"]
+        names += [f"{self.model_name}@{k}" for k in self.side_steps if k != self.engine.step]
         return names if self.base_name is None else [*names, self.base_name]
 
     def stats(self) -> dict[str, float]:
@@ -333,7 +340,17 @@ class Endpoint:
     ) -> dict[str, Any]:
         """Serve one chat completion; `response_id` names the Responses API call it answers, if any;
         `on_text(choice, delta)` is told of the content as it is sampled (`streaming`)."""
-        prepared = await self._serially(self._prepare, body)
+        with self.captures.answering(capture_id):  # live training waits for it before an episode trains
+            return await self._chat_completion(body, capture_id, response_id, on_text)
+
+    async def _chat_completion(
+        self,
+        body: dict[str, Any],
+        capture_id: str | None,
+        response_id: str | None,
+        on_text: OnText | None,
+    ) -> dict[str, Any]:
+        prepared = await self._serially(self._prepare, body, capture_id)
         req, params = prepared.req, prepared.params
         on_token = None
         if on_text is not None:
@@ -361,7 +378,15 @@ class Endpoint:
         """`fn(*args)` on the endpoint's worker thread, after the calls queued before it."""
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
-    def _prepare(self, body: dict[str, Any]) -> _Prepared:
+    def _side_step(self, model: str, capture_id: str | None) -> int | None:
+        """The step beside the served one that samples this request, if any (see `side_steps`)."""
+        if model == self.model_name:
+            step = self.route(capture_id) if self.route is not None else None
+        else:
+            step = next((k for k in self.side_steps if model == f"{self.model_name}@{k}"), None)
+        return step if step in self.side_steps and step != self.engine.step else None
+
+    def _prepare(self, body: dict[str, Any], capture_id: str | None = None) -> _Prepared:
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
@@ -371,6 +396,9 @@ class Endpoint:
         constraint = _constraint(req, self.chat_format.family)
         params = _sampling_params(req, self.default_max_tokens, constraint)
         params.base = req.model == self.base_name
+        side = self._side_step(req.model, capture_id)
+        if side is not None:
+            params.adapter, params.adapter_step = str(self.side_steps[side]), side
         messages = normalize_messages(req.messages)
         params.affinity = affinity_key(messages)
         # validated above as `req.tools`; rendered as sent, since their key order shows in the prompt

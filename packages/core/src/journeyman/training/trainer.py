@@ -70,10 +70,16 @@ def build_rows(
     zero = 0
     for gi, group in enumerate(groups):
         rewards = torch.tensor(group.rewards(), dtype=torch.float64)
-        if len(rewards) < 2 or float(rewards.max() - rewards.min()) < max(1e-9, config.min_reward_spread):
+        if config.advantages == "given":  # the caller's advantages: a group of one teaches too
+            if not rewards.numel() or not bool(rewards.abs().max() > 0):
+                zero += 1
+                continue
+            adv = rewards
+        elif len(rewards) < 2 or float(rewards.max() - rewards.min()) < max(1e-9, config.min_reward_spread):
             zero += 1
             continue
-        adv = group_advantages(rewards, scale_by_std=config.scale_rewards)
+        else:
+            adv = group_advantages(rewards, scale_by_std=config.scale_rewards)
         for ti, (traj, a) in enumerate(zip(group.trajectories, adv.tolist(), strict=True)):
             rows += trajectory_rows(traj, chat_format, a, where=f"groups[{gi}].trajectories[{ti}]")
     rows, long_rows = fit_rows(rows, config.max_seq_len, config.long_rows)

@@ -1,0 +1,519 @@
+"""Live training of one served model: episodes from live traffic, outcomes whenever they arrive,
+candidates trained in the background, a gate before anything serves, rollback. See docs/live.md.
+
+An episode is a capture id (`x-journeyman-capture: <id>` on its requests; the endpoint files each
+call under it). Its outcome (`report_outcome`) takes the calls filed so far, joins them into one
+trajectory by core's rule (`rollout/histories.py`) and writes it to the journal before it answers,
+so `kill -9` loses no scored episode. Calls that arrive within `settle_s` after the outcome join it
+too. When enough scored episodes wait, a step trains from the promoted step (never from a rejected
+candidate) on the exact served tokens, each with its advantage (`rollout/baseline.py`) as its reward;
+the new checkpoint is a candidate, served beside the promoted step (as `name@<step>` and to the
+canary share of new episodes) until the gate decides. Every decision is a history row.
+
+<run_dir>/live/
+    groups.jsonl, settled.jsonl   the journal (`data/journal.py`) of scored episodes, a group of
+                                  one trajectory each (metadata: episode id, group key, baseline at
+                                  arrival, serving step); every line is fsynced before the answer
+    state.json                    promoted step, the candidate, each candidate's parent
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from journeyman.backends.store import write_atomic
+from journeyman.client.protocol import Evaluate
+from journeyman.data.config import TrainConfig, TrainResult
+from journeyman.data.journal import GroupJournal
+from journeyman.data.live import (
+    Decision,
+    DecisionAction,
+    EpisodeOutcome,
+    LiveConfig,
+    LiveStatus,
+    OutcomeReceipt,
+)
+from journeyman.data.provenance import oldest_step, trained_records
+from journeyman.data.types import Trajectory, TrajectoryGroup
+from journeyman.errors import InvalidFieldError
+from journeyman.rollout.baseline import RunningBaseline, advantages
+from journeyman.rollout.capture import CapturedCall, Captures
+from journeyman.rollout.histories import join_calls, trajectory_of
+
+log = logging.getLogger("journeyman.backends.live")
+
+TICK_S = 0.2
+KEPT_DECISIONS = 20
+
+TrainFrom = Callable[[list[TrajectoryGroup], TrainConfig, str, int], Awaitable[TrainResult]]
+"""`(groups, config, idempotency key, parent step)`: a step from `parent`; the result's step is the
+new checkpoint, which is written but not served."""
+
+
+@dataclass
+class LiveServices:
+    """What live training needs of the backend that serves the model."""
+
+    name: str
+    captures: Captures
+    side_steps: dict[int, Path]
+    """The endpoint's steps served beside the promoted one (`Endpoint.side_steps`)."""
+    set_route: Callable[[Callable[[str | None], int | None] | None], None]
+    train_from: TrainFrom
+    serve: Callable[[int], Awaitable[None]]
+    """Serve `step` on the bare model name (adapter and optimizer back to it: the next step trains from it)."""
+    checkpoint_dir: Callable[[int], Path]
+    latest_step: Callable[[], int]
+    record: Callable[[dict[str, Any]], None]
+    """Append a history row."""
+
+
+@dataclass
+class _Settling:
+    """A scored episode whose later calls may still come (until `until`, time.monotonic)."""
+
+    outcome: EpisodeOutcome
+    calls: list[CapturedCall]
+    baseline: float
+    until: float
+    group: TrajectoryGroup | None = None  # as last written
+
+
+def _served_step(group: TrajectoryGroup) -> int | None:
+    records = trained_records([group])
+    return records[0].step if records else None
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _var(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    m = _mean(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+
+class LiveRun:
+    """The live state of one model: outcomes, the journal, the trainer loop, the gate."""
+
+    def __init__(
+        self, run_dir: Path, services: LiveServices, config: LiveConfig, evaluate: Evaluate | None = None
+    ) -> None:
+        self.s, self.config, self.evaluate = services, config, evaluate
+        self.folder = run_dir / "live"
+        self.journal = GroupJournal(self.folder, fsync=True)
+        self.state_path = self.folder / "state.json"
+        state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        self.promoted: int = int(state.get("promoted", services.latest_step()))
+        self.candidate: int | None = state.get("candidate")
+        self.parents: dict[int, int] = {int(k): v for k, v in state.get("parents", {}).items()}
+        self.rejected: set[int] = set(state.get("rejected", []))
+        self.decisions = [Decision.model_validate(d) for d in state.get("decisions", [])]
+        self.counts = dict.fromkeys(
+            ("outcomes", "duplicates", "refused_expired", "unknown", "stale", "trained", "steps"), 0
+        )
+        self.baseline = RunningBaseline()
+        self.known: dict[str, EpisodeOutcome] = {}
+        self.scored: list[tuple[int | None, float]] = []  # (serving step, reward) in arrival order
+        self.candidate_since = 0  # index into `scored` when the candidate began to be judged
+        for row in GroupJournal.lines(self.journal.groups):  # replay: baselines, known ids, rewards
+            if row["id"] in self.known:
+                continue
+            t = TrajectoryGroup.model_validate(row["group"])
+            meta = t.trajectories[0].metadata
+            self.known[row["id"]] = EpisodeOutcome.model_validate(meta["outcome"])
+            self.baseline.before(meta["outcome"].get("group"), meta["outcome"]["reward"])
+            self.scored.append((_served_step(t), meta["outcome"]["reward"]))
+        self.counts["outcomes"] = len(self.known)
+        sent, waiting = self.journal.pending()
+        self.sent = sent  # a train call a kill cut off: retried first, with its key
+        now = time.monotonic()
+        self.waiting: dict[str, tuple[TrajectoryGroup, float]] = {gid: (g, now) for gid, g in waiting}
+        self.settling: dict[str, _Settling] = {}
+        self.task: asyncio.Task[None] | None = None
+        self.busy: asyncio.Task[Any] | None = None  # a step training or a gate evaluating
+        self.candidate_since = len(self.scored)
+        self.evaluated: set[int] = set()  # candidates the eval function has judged
+        self.scores: dict[int, float] = {}  # each step's eval score (scored once)
+        self.error: str | None = None
+
+    # -- the served steps --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Serve the promoted step on the bare name (a restart finds the latest checkpoint loaded),
+        the candidate beside it, and run the loop."""
+        await self.s.serve(self.promoted)
+        self._serve_candidate()
+        self.s.captures.max_age_s = self.config.episode_ttl_s
+        if self.task is None:
+            self.task = asyncio.create_task(self._loop())
+
+    def stop(self) -> None:
+        """Stop the loop. A step or a decision under way is not cut off (a step cut off in the middle
+        would leave the weights changed and unsaved): `close` waits for it."""
+        if self.task is not None:
+            self.task.cancel()
+        self.task = None
+        self.s.set_route(None)
+
+    async def close(self) -> None:
+        """Stop the loop and wait for the step or decision under way, if any."""
+        self.stop()
+        if self.busy is not None:
+            with contextlib.suppress(Exception):
+                await self.busy
+
+    def _serve_candidate(self) -> None:
+        self.s.side_steps.clear()
+        if self.candidate is None:
+            self.s.set_route(None)
+            return
+        self.s.side_steps[self.candidate] = self.s.checkpoint_dir(self.candidate)
+        self.s.set_route(self._route)
+
+    def _route(self, episode_id: str | None) -> int | None:
+        """The canary: a share of episodes, by a hash of their id (every call of one episode alike)."""
+        share, candidate = self.config.gate.canary_share, self.candidate
+        if episode_id is None or candidate is None or share <= 0:
+            return None
+        h = int.from_bytes(hashlib.sha256(f"{candidate}:{episode_id}".encode()).digest()[:8], "big")
+        return candidate if h / 2**64 < share else None
+
+    def _save(self) -> None:
+        state = {
+            "promoted": self.promoted,
+            "candidate": self.candidate,
+            "parents": self.parents,
+            "rejected": sorted(self.rejected),
+            "decisions": [d.model_dump() for d in self.decisions[-KEPT_DECISIONS:]],
+        }
+        write_atomic(self.state_path, json.dumps(state, indent=1))
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    def report(self, outcome: EpisodeOutcome) -> OutcomeReceipt:
+        """Record an episode's outcome (idempotent: the same outcome again changes nothing)."""
+        eid = outcome.episode_id
+        if eid in self.known:
+            if self.known[eid] != outcome:
+                raise InvalidFieldError(
+                    "reward",
+                    outcome.reward,
+                    f"episode {eid!r} already has an outcome (reward {self.known[eid].reward}); an outcome is final",
+                )
+            self.counts["duplicates"] += 1
+            settling = self.settling.get(eid)
+            calls = len(settling.calls) if settling is not None else 0
+            return OutcomeReceipt(episode_id=eid, status="duplicate", calls=calls, step=None)
+        calls = self.s.captures.pop(eid)
+        if not calls:
+            if self.s.captures.was_dropped(eid):
+                self.counts["refused_expired"] += 1
+                raise InvalidFieldError(
+                    "episode_id",
+                    eid,
+                    f"expired: no outcome came within episode_ttl_s ({self.config.episode_ttl_s:g} s) of its last call",
+                )
+            self.counts["unknown"] += 1
+            raise InvalidFieldError(
+                "episode_id",
+                eid,
+                "no request carried it (header x-journeyman-capture), or another outcome took its calls",
+            )
+        baseline = self.baseline.before(outcome.group, outcome.reward)
+        settling = _Settling(outcome, calls, baseline, time.monotonic() + self.config.settle_s)
+        group = self._write(eid, settling)  # on disk before the answer: a kill loses none
+        self.known[eid] = outcome
+        self.counts["outcomes"] += 1
+        step = _served_step(group)
+        self.scored.append((step, outcome.reward))
+        self.settling[eid] = settling
+        return OutcomeReceipt(episode_id=eid, status="accepted", calls=len(calls), step=step)
+
+    def _write(self, eid: str, e: _Settling) -> TrajectoryGroup:
+        meta = {"episode_id": eid, "outcome": e.outcome.model_dump(), "baseline": e.baseline}
+        t: Trajectory = trajectory_of(
+            join_calls(e.calls), reward=e.outcome.reward, metrics=dict(e.outcome.metrics), metadata=meta
+        )
+        group = TrajectoryGroup([t])
+        self.journal.add(eid, group)
+        e.group = group
+        return group
+
+    def _settle(self) -> None:
+        now = time.monotonic()
+        for eid, e in list(self.settling.items()):
+            if self.s.captures.in_flight(eid):  # a call of it is being answered: wait for it
+                e.until = now + self.config.settle_s
+                continue
+            later = self.s.captures.pop(eid)
+            if later:  # calls served after the outcome: the episode is written again, whole
+                e.calls += later
+                e.until = now + self.config.settle_s
+                self._write(eid, e)
+            elif now >= e.until:
+                del self.settling[eid]
+                assert e.group is not None
+                self.waiting[eid] = (e.group, now)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the loop goes on; status shows the error
+                log.exception("live loop")
+                self.error = f"{type(e).__name__}: {e}"
+            await asyncio.sleep(TICK_S)
+
+    async def tick(self) -> None:
+        """One round: expire, settle, and start a step or a gate evaluation if one is due."""
+        self.s.captures.expire()
+        self._settle()
+        if self.busy is not None and not self.busy.done():
+            return
+        if self.busy is not None:
+            error = self.busy.exception() if not self.busy.cancelled() else None
+            self.busy = None
+            if error is not None:
+                self.error = f"{type(error).__name__}: {error}"
+                log.error("live: %s", self.error)
+        if not self.config.enabled:
+            return
+        if self.candidate is not None:
+            if self.evaluate is not None and self.candidate not in self.evaluated:
+                self.busy = asyncio.create_task(self._evaluate(self.candidate))
+            else:
+                self._judge_canary()
+            return
+        self._check_rollback()
+        batch = self._due()
+        if batch is not None:
+            self.busy = asyncio.create_task(self._train(*batch))
+
+    def _due(self) -> tuple[list[tuple[str, TrajectoryGroup]], str | None] | None:
+        if self.sent is not None:
+            sent, self.sent = self.sent, None
+            return sent.groups, sent.key
+        for eid, (group, _) in list(self.waiting.items()):  # too far behind the step it would train
+            oldest = oldest_step(group)
+            if oldest is not None and self.promoted - oldest > self.config.max_steps_off_policy:
+                del self.waiting[eid]
+                self.journal.settle([eid], "stale", self.promoted)
+                self.counts["stale"] += 1
+        c = self.config
+        ready = list(self.waiting.items())
+        if len(ready) >= c.episodes_per_step:
+            due = True
+        elif c.max_wait_s is not None and len(ready) >= c.min_episodes:
+            due = time.monotonic() - min(at for _, (_, at) in ready) >= c.max_wait_s
+        else:
+            due = False
+        if not due:
+            return None
+        return [(eid, g) for eid, (g, _) in ready[: c.episodes_per_step]], None
+
+    async def _train(self, batch: list[tuple[str, TrajectoryGroup]], key: str | None) -> None:
+        ids = [eid for eid, _ in batch]
+        key = key or "live-" + hashlib.sha256("\n".join(ids).encode()).hexdigest()[:32]
+        parent = self.promoted
+        self.journal.settle(ids, "training", parent, key)  # a restart retries this very call
+        groups = _advantage_groups([g for _, g in batch])
+        result = await self.s.train_from(groups, self.config.train, key, parent)
+        self.journal.settle(ids, "trained", result.step)
+        for eid in ids:
+            self.waiting.pop(eid, None)
+        self.counts["trained"] += len(ids)
+        self.counts["steps"] += 1
+        if result.skipped or result.step == parent:
+            return
+        self.parents[result.step] = parent
+        self.candidate = result.step
+        self.candidate_since = len(self.scored)
+        self._save()
+        self._serve_candidate()
+
+    # -- the gate ----------------------------------------------------------------------------
+
+    async def _evaluate(self, candidate: int) -> None:
+        """The user's evaluation of the candidate and of the promoted step (each step scored once);
+        a worse candidate is rejected, else promoted, or left to the canary when it has a share."""
+        assert self.evaluate is not None
+        try:
+            for step in (candidate, self.promoted):
+                if step not in self.scores:
+                    self.scores[step] = await self.evaluate(f"{self.s.name}@{step}")
+        except Exception as e:  # a gate that cannot evaluate does not promote
+            self.evaluated.add(candidate)
+            await self.decide(
+                "reject", candidate, f"evaluation failed: {type(e).__name__}: {e}"[:500], "gate"
+            )
+            return
+        mine, theirs = self.scores[candidate], self.scores[self.promoted]
+        self.evaluated.add(candidate)
+        margin = self.config.gate.margin
+        numbers = f"eval {mine:.3f} vs {theirs:.3f} for step {self.promoted} (margin {margin:g})"
+        extra = {"eval": mine, "eval_promoted": theirs}
+        if mine < theirs - margin:
+            await self.decide("reject", candidate, f"evaluation: worse, {numbers}", "gate", extra)
+        elif self.config.gate.canary_share <= 0:
+            await self.decide("promote", candidate, f"evaluation: not worse, {numbers}", "gate", extra)
+
+    def canary(self) -> tuple[list[float], list[float]]:
+        """Live rewards since the candidate was made: (the candidate's, the promoted step's)."""
+        since = self.scored[self.candidate_since :]
+        return (
+            [r for s, r in since if s == self.candidate],
+            [r for s, r in since if s == self.promoted],
+        )
+
+    def _judge_canary(self) -> None:
+        g = self.config.gate
+        if g.canary_share <= 0 or self.candidate is None:
+            return  # a person (or an eval function) decides
+        mine, theirs = self.canary()
+        if min(len(mine), len(theirs)) < g.canary_episodes:
+            return
+        diff = _mean(mine) - _mean(theirs)
+        se = math.sqrt(_var(mine) / len(mine) + _var(theirs) / len(theirs))
+        numbers = (
+            f"canary {_mean(mine):.3f} (n={len(mine)}) vs {_mean(theirs):.3f} (n={len(theirs)}) for step "
+            f"{self.promoted}: difference {diff:+.3f}, SE {se:.3f}"
+        )
+        extra = {"canary_reward": _mean(mine), "canary_promoted_reward": _mean(theirs), "canary_se": se}
+        if diff < -g.margin - g.z * se:
+            action: DecisionAction = "reject"
+            reason = f"{numbers}: worse by more than margin {g.margin:g} + {g.z:g} SE"
+        else:
+            action, reason = "promote", f"{numbers}: not worse by more than margin {g.margin:g} + {g.z:g} SE"
+        self.busy = asyncio.create_task(self.decide(action, self.candidate, reason, "gate", extra))
+
+    def _check_rollback(self) -> None:
+        g, step = self.config.gate, self.promoted
+        parent = self.parents.get(step)
+        if parent is None or self.busy is not None:
+            return
+        mine = [r for s, r in self.scored if s == step][-g.rollback_episodes :]
+        theirs = [r for s, r in self.scored if s == parent]
+        if len(mine) < g.rollback_episodes or not theirs:
+            return
+        if _mean(mine) < _mean(theirs) - g.rollback_drop:
+            reason = (
+                f"live reward {_mean(mine):.3f} over its last {len(mine)} episodes is below its parent "
+                f"step {parent}'s {_mean(theirs):.3f} by more than rollback_drop {g.rollback_drop:g}"
+            )
+            extra = {"live_reward": _mean(mine), "parent_reward": _mean(theirs)}
+            self.busy = asyncio.create_task(self.decide("rollback", step, reason, "rollback", extra))
+
+    async def decide(
+        self,
+        action: DecisionAction,
+        step: int | None,
+        reason: str,
+        by: str,
+        extra: dict[str, float] | None = None,
+    ) -> Decision:
+        """Promote or reject a candidate, or roll the promoted step back (to `step`'s parent): the
+        served steps change, and the decision is a history row."""
+        if action in ("promote", "reject"):
+            step = self.candidate if step is None else step
+            if step is None:
+                raise InvalidFieldError("step", None, f"no candidate to {action}: name a step")
+            if action == "reject" and step != self.candidate:
+                raise InvalidFieldError("step", step, f"is not the candidate ({self.candidate})")
+            if not 0 <= step <= self.s.latest_step():
+                raise InvalidFieldError("step", step, f"the run has steps 0..{self.s.latest_step()}")
+            if action == "promote":
+                await self.s.serve(step)
+                self.promoted = step
+                self.rejected.discard(step)
+            else:
+                self.rejected.add(step)
+            if step == self.candidate:
+                self.candidate = None
+        else:
+            rolled = self.promoted if step is None else step
+            if rolled != self.promoted:
+                raise InvalidFieldError("step", rolled, f"is not the promoted step ({self.promoted})")
+            parent = self.parents.get(rolled)
+            if parent is None:
+                raise InvalidFieldError("step", rolled, "has no parent on record to roll back to")
+            await self.s.serve(parent)
+            self.promoted = parent
+            self.rejected.add(rolled)
+            step = rolled
+            self.candidate = None  # a candidate made from the rolled-back step is not judged further
+        decision = Decision(
+            action=action, step=step, served=self.promoted, reason=reason, by=by, at=time.time()
+        )
+        self.decisions.append(decision)
+        self._save()
+        self._serve_candidate()
+        row: dict[str, Any] = {
+            "step": step,
+            "split": "live",
+            "decision": action,
+            "served": self.promoted,
+            "parent": self.parents.get(step),
+            "reason": reason,
+            "by": by,
+        }
+        row.update({f"live/{k}": v for k, v in (extra or {}).items()})
+        self.s.record(row)
+        log.warning("live %s: %s step %d (%s); serving %d", self.s.name, action, step, reason, self.promoted)
+        return decision
+
+    # -- status ------------------------------------------------------------------------------
+
+    def status(self) -> LiveStatus:
+        mine, theirs = self.canary() if self.candidate is not None else ([], [])
+        counts = {**self.counts, "expired": self.s.captures.dropped}
+        return LiveStatus(
+            enabled=self.config.enabled,
+            promoted=self.promoted,
+            candidate=self.candidate,
+            latest=self.s.latest_step(),
+            episodes_open=len(self.s.captures),
+            episodes_waiting=len(self.waiting) + len(self.settling),
+            counts=counts,
+            canary={
+                "candidate_episodes": float(len(mine)),
+                "candidate_reward": _mean(mine) if mine else 0.0,
+                "promoted_episodes": float(len(theirs)),
+                "promoted_reward": _mean(theirs) if theirs else 0.0,
+            },
+            decisions=self.decisions[-KEPT_DECISIONS:],
+            busy=self.busy is not None and not self.busy.done(),
+            error=self.error,
+        )
+
+
+def _advantage_groups(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    """The batch as trained: each episode's reward replaced by its advantage (`rollout/baseline.py`),
+    the raw reward kept as the metric `live_reward`; episodes sharing a key form one group."""
+    episodes = [g.trajectories[0] for g in groups]
+    keyed = [(t.metadata["outcome"].get("group"), t.reward, float(t.metadata["baseline"])) for t in episodes]
+    out: dict[Any, list[Trajectory]] = {}
+    for i, (t, a) in enumerate(zip(episodes, advantages(keyed), strict=True)):
+        trained = t.model_copy(update={"reward": a, "metrics": {**t.metrics, "live_reward": t.reward}})
+        key = keyed[i][0]
+        out.setdefault(key if key is not None else ("lone", i), []).append(trained)
+    return [TrajectoryGroup(ts) for ts in out.values()]
+
+
+__all__ = ["Evaluate", "LiveRun", "LiveServices", "TrainFrom"]

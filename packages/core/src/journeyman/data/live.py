@@ -1,0 +1,208 @@
+"""Live training's data: its settings, an episode's outcome, a gate decision, the status.
+
+Shared by the server (`backends/live.py`), the HTTP bodies (`client/wire.py`) and the light client,
+so every side reads the same fields. The protocol is in docs/live.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from journeyman.data.config import TrainConfig, check_name
+from journeyman.errors import InvalidFieldError
+
+
+def _live_train_config() -> TrainConfig:
+    # Live episodes carry their advantage as their reward (reward minus the stated baseline), and
+    # every token its sampling step: off-policy turns are weighted by π_θ/π_behaviour, truncated at 2.
+    return TrainConfig(advantages="given", tis_cap=2.0, learning_rate=1e-4)
+
+
+class GateConfig(BaseModel):
+    """How a candidate adapter is judged before it serves the production traffic, and when a
+    promoted one is rolled back. The test is stated in docs/live.md ("The gate")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    canary_share: float = Field(
+        default=0.25,
+        ge=0.0,
+        le=1.0,
+        description="share of new episodes (by episode id) sampled by the candidate while it is judged; "
+        "0 leaves the decision to an eval function or a person",
+    )
+    canary_episodes: int = Field(
+        default=8,
+        ge=1,
+        description="scored episodes the candidate and the promoted step each need before a decision",
+    )
+    margin: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="how much worse than the promoted step a candidate may look and still pass "
+        "(reward units)",
+    )
+    z: float = Field(
+        default=1.645,
+        ge=0.0,
+        description="a candidate is rejected when its mean reward is below the promoted step's by more "
+        "than margin + z standard errors (one-sided, 95% by default)",
+    )
+    rollback_episodes: int = Field(
+        default=16,
+        ge=1,
+        description="scored production episodes of a promoted step before the rollback check runs",
+    )
+    rollback_drop: float = Field(
+        default=0.2,
+        ge=0.0,
+        description="roll a promoted step back to its parent when its mean live reward falls this far "
+        "below the parent's",
+    )
+
+
+class LiveConfig(BaseModel):
+    """Live training of one served model: when a step trains, on what, and the gate."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    episodes_per_step: int = Field(
+        default=16, ge=1, description="train a candidate when this many scored episodes wait"
+    )
+    max_wait_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="or when the oldest scored episode has waited this long (with min_episodes at least)",
+    )
+    min_episodes: int = Field(default=2, ge=1, description="fewest episodes a step trains on")
+    settle_s: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="an episode joins a step once no call of it was served for this long after its "
+        "outcome arrived (an outcome may come before the episode's last call)",
+    )
+    episode_ttl_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="an episode without an outcome expires after this long with no call (counted as "
+        "expired; its outcome, if it comes later, is refused)",
+    )
+    max_steps_off_policy: int = Field(
+        default=8,
+        ge=0,
+        description="drop a waiting episode sampled more than this many steps before the parent it "
+        "would train (counted as stale)",
+    )
+    train: TrainConfig = Field(
+        default_factory=_live_train_config, description="each step's training settings"
+    )
+    gate: GateConfig = Field(default_factory=GateConfig)
+    enabled: bool = Field(
+        default=True, description="False stops training and the gate (outcomes are still taken)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LiveConfig:
+        if self.train.advantages != "given":
+            raise InvalidFieldError(
+                "train.advantages",
+                self.train.advantages,
+                "live episodes carry their advantage as their reward: use 'given'",
+            )
+        if self.min_episodes > self.episodes_per_step:
+            raise InvalidFieldError(
+                "min_episodes",
+                self.min_episodes,
+                f"is more than episodes_per_step ({self.episodes_per_step})",
+            )
+        return self
+
+
+class EpisodeOutcome(BaseModel):
+    """What a client posts when an episode's result is known (minutes or days later)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    episode_id: str = Field(
+        description="the `x-journeyman-capture` header value the episode's requests carried"
+    )
+    reward: float = Field(description="the episode's reward (higher is better)")
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="more numbers, kept on the trajectory"
+    )
+    group: str | None = Field(
+        default=None,
+        description="episodes of the same task share a key: they are compared with each other, and the "
+        "baseline of a lone one is its key's running mean",
+    )
+
+    @field_validator("episode_id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        return check_name("episode_id", v)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise InvalidFieldError("reward", v, "must be a finite number")
+        return v
+
+
+class OutcomeReceipt(BaseModel):
+    episode_id: str
+    status: Literal["accepted", "duplicate"] = Field(
+        description="accepted: recorded now; duplicate: this very outcome was recorded before (nothing changed)"
+    )
+    calls: int = Field(description="calls of the episode joined so far")
+    step: int | None = Field(description="the policy step that served the episode")
+
+
+DecisionAction = Literal["promote", "reject", "rollback"]
+
+
+class Decision(BaseModel):
+    """One gate decision: also a history row (`split: "live"`, `decision: ...`)."""
+
+    action: DecisionAction
+    step: int = Field(description="the candidate promoted or rejected; the step rolled back")
+    served: int = Field(description="the step the production traffic is served by after it")
+    reason: str
+    by: str = Field(description="'gate', 'rollback', or the name of the person's token")
+    at: float = Field(description="unix time")
+
+
+class LiveStatus(BaseModel):
+    """`journeyman live status`: traffic, waiting episodes, candidates, the promoted step."""
+
+    enabled: bool
+    promoted: int = Field(description="the step the bare model name serves")
+    candidate: int | None = Field(
+        description="the step being judged, served to the canary share and as name@step"
+    )
+    latest: int = Field(description="the newest checkpoint")
+    episodes_open: int = Field(description="episodes with calls and no outcome yet")
+    episodes_waiting: int = Field(description="scored episodes waiting to train")
+    counts: dict[str, int] = Field(
+        description="outcomes, duplicates, expired, refused_expired, unknown, stale, trained, steps"
+    )
+    canary: dict[str, float] = Field(
+        description="the judged candidate's and the promoted step's live numbers"
+    )
+    decisions: list[Decision] = Field(description="the latest decisions, newest last")
+    busy: bool = Field(default=False, description="a step trains, or a candidate is being judged, now")
+    error: str | None = Field(default=None, description="the live loop's last error, if any")
+
+
+__all__ = [
+    "Decision",
+    "DecisionAction",
+    "EpisodeOutcome",
+    "GateConfig",
+    "LiveConfig",
+    "LiveStatus",
+    "OutcomeReceipt",
+]
