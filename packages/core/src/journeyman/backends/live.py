@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import math
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -94,15 +95,8 @@ def _served_step(group: TrajectoryGroup) -> int | None:
     return records[0].step if records else None
 
 
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else math.nan
-
-
 def _var(xs: list[float]) -> float:
-    if len(xs) < 2:
-        return 0.0
-    m = _mean(xs)
-    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return statistics.variance(xs) if len(xs) >= 2 else 0.0
 
 
 class LiveRun:
@@ -389,13 +383,14 @@ class LiveRun:
         mine, theirs = self.canary()
         if min(len(mine), len(theirs)) < g.canary_episodes:
             return
-        diff = _mean(mine) - _mean(theirs)
+        m, t = statistics.fmean(mine), statistics.fmean(theirs)
+        diff = m - t
         se = math.sqrt(_var(mine) / len(mine) + _var(theirs) / len(theirs))
         numbers = (
-            f"canary {_mean(mine):.3f} (n={len(mine)}) vs {_mean(theirs):.3f} (n={len(theirs)}) for step "
+            f"canary {m:.3f} (n={len(mine)}) vs {t:.3f} (n={len(theirs)}) for step "
             f"{self.promoted}: difference {diff:+.3f}, SE {se:.3f}"
         )
-        extra = {"canary_reward": _mean(mine), "canary_promoted_reward": _mean(theirs), "canary_se": se}
+        extra = {"canary_reward": m, "canary_promoted_reward": t, "canary_se": se}
         if diff < -g.margin - g.z * se:
             action: DecisionAction = "reject"
             reason = f"{numbers}: worse by more than margin {g.margin:g} + {g.z:g} SE"
@@ -412,12 +407,13 @@ class LiveRun:
         theirs = [r for s, r in self.scored if s == parent]
         if len(mine) < g.rollback_episodes or not theirs:
             return
-        if _mean(mine) < _mean(theirs) - g.rollback_drop:
+        m, t = statistics.fmean(mine), statistics.fmean(theirs)
+        if m < t - g.rollback_drop:
             reason = (
-                f"live reward {_mean(mine):.3f} over its last {len(mine)} episodes is below its parent "
-                f"step {parent}'s {_mean(theirs):.3f} by more than rollback_drop {g.rollback_drop:g}"
+                f"live reward {m:.3f} over its last {len(mine)} episodes is below its parent "
+                f"step {parent}'s {t:.3f} by more than rollback_drop {g.rollback_drop:g}"
             )
-            extra = {"live_reward": _mean(mine), "parent_reward": _mean(theirs)}
+            extra = {"live_reward": m, "parent_reward": t}
             self.busy = asyncio.create_task(self.decide("rollback", step, reason, "rollback", extra))
 
     async def decide(
@@ -493,9 +489,9 @@ class LiveRun:
             counts=counts,
             canary={
                 "candidate_episodes": float(len(mine)),
-                "candidate_reward": _mean(mine) if mine else 0.0,
+                "candidate_reward": statistics.fmean(mine) if mine else 0.0,
                 "promoted_episodes": float(len(theirs)),
-                "promoted_reward": _mean(theirs) if theirs else 0.0,
+                "promoted_reward": statistics.fmean(theirs) if theirs else 0.0,
             },
             decisions=self.decisions[-KEPT_DECISIONS:],
             busy=self.busy is not None and not self.busy.done(),
