@@ -203,13 +203,20 @@ async def soak(
             except Exception as e:
                 errors[f"train: {type(e).__name__}: {str(e)[:120]}"] += 1
 
+    def may_stop() -> bool:
+        # past the end, the measured part still owes one step: a slow machine (CI's 2 cores ran
+        # p50 43 s a request) may not finish a step's groups before `stop_at`, but the workers'
+        # last in-flight rollouts do, and the step then trains while the slowest still run
+        past = time.monotonic() >= stop_at
+        return past and (steps > 0 or all(w.done() for w in workers))
+
     async def trainer() -> None:
         next_step = time.monotonic() + train_every_s
         while True:
             await asyncio.sleep(max(0.0, next_step - time.monotonic()))
-            while len(ready) < groups_per_step and time.monotonic() < stop_at:
+            while len(ready) < groups_per_step and not may_stop():
                 await asyncio.sleep(0.5)
-            if time.monotonic() >= stop_at:
+            if len(ready) < groups_per_step or (time.monotonic() >= stop_at and steps > 0):
                 return
             await train_once()
             next_step += train_every_s
