@@ -340,6 +340,7 @@ async def main() -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--train-every-s", type=float, default=60.0)
     p.add_argument("--warmup-s", type=float, default=20.0)
+    p.add_argument("--groups-per-step", type=int, default=4, help="finished groups of 4 each step trains on")
     p.add_argument("--rss-bound-mib", type=float, default=512.0)
     p.add_argument("--plot", type=Path, help="write the RSS-by-minute plot (PNG) here")
     p.add_argument("--json", type=Path, help="write the report (JSON) here")
@@ -355,6 +356,7 @@ async def main() -> int:
                 concurrency=args.concurrency,
                 train_every_s=args.train_every_s,
                 warmup_s=args.warmup_s,
+                groups_per_step=args.groups_per_step,
             )
         finally:
             backend.close()
