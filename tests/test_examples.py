@@ -208,6 +208,8 @@ EXAMPLE_RUNS = [
         (
             "--successes",
             "1",
+            "--sft-epochs",
+            "1",
             "--rl-steps",
             "1",
             "--groups",
