@@ -27,55 +27,59 @@ if TYPE_CHECKING:
     from journeyman.chat.formats import ChatFormat
 
 
-# Seconds each long file took in a fresh-clone run on the 2-core CI machine (pytest --durations and
-# a per-test timeline, 2026-11-25). xdist hands files out in this order, longest first
-# (`--no-loadscope-reorder`), so the two workers finish together: by test count, the one-test soak
-# and learning files came last and one worker ran them alone for 200 s while the other sat idle.
-# Files not listed follow in collection order. The five files cut on 2026-11-26 (suitetime) are
-# estimates: that run's seconds less the cut tests' share, scaled by CPU seconds measured before and
-# after on this machine (under contention; the soak's cut is wall time, 30 s less measured).
-FILE_SECONDS = {  # in-suite seconds (calls and setups), from a fresh-clone run on this machine, 2026-11-26
-    "packages/core/tests/test_vllm.py": 350,
-    "packages/mcp/tests/test_mcp_rl.py": 380,
-    "tests/test_examples.py": 258,
-    "tests/test_soak.py": 110,
-    "packages/core/tests/test_learning.py": 95,
-    "packages/mcp/tests/test_win_rate.py": 200,
-    "packages/core/tests/test_distributed.py": 103,
-    "packages/agents-sdk/tests/test_agents_sdk.py": 98,
-    "packages/core/tests/test_remote.py": 70,
-    "packages/langgraph/tests/test_langgraph.py": 62,
-    "packages/core/tests/test_endpoint.py": 60,
-    "packages/core/tests/test_engine_kv.py": 51,
-    "packages/core/tests/test_families.py": 46,
-    "packages/core/tests/test_fuzz.py": 45,
-    "packages/core/tests/test_ruler_local.py": 34,
-    "packages/core/tests/test_train.py": 31,
-    "tests/test_gpu_check.py": 31,
-    "tests/test_light_client.py": 28,
-    "packages/core/tests/test_constrained_decoding.py": 28,
-    "tests/test_remote_adapters.py": 26,
-    "packages/core/tests/test_backend_contract.py": 25,
-    "tests/test_front_doors.py": 24,
-    "packages/core/tests/test_server_security.py": 16,
-    "packages/core/tests/test_viewer.py": 60,  # a guess (CPU time measured here, not in a fresh-clone run)
-    "packages/core/tests/test_sharded.py": 12,
-    # not yet from a fresh-clone run (estimates: two model loads and one step; 677 s and 178 s measured
-    # at load average ~14 on 2026-11-26, when a train step of the embedded model took 273 s)
-    "tests/test_art_compat.py": 90,
-    "packages/core/tests/test_base_model.py": 30,
-    # estimates too: npm ci + the node suite against `journeyman serve`; the Messages API on the
-    # real model; the pipeline's two models (in process, and a `journeyman serve` child) and 5 steps
-    "tests/test_typescript.py": 80,
-    "packages/core/tests/test_messages_api.py": 60,
-    "packages/core/tests/test_pipeline.py": 80,
-    # estimates after the 2026-11-26 second stop's cuts (the soak at 32 rollouts, learning in 2 steps)
-    # and the live-training tests (86 s measured at load average ~6)
-    "packages/core/tests/test_live.py": 70,
+# Seconds each long file took in a fresh-clone run on this 2-core machine (2026-11-26, third stop: per
+# test wall time from tests/_timeline.py; the soak after this stop's cut, an estimate). xdist hands
+# files out in this order, longest first (`--no-loadscope-reorder`), so the two workers finish
+# together (they ended 4 s apart in that run): by test count, the one-test soak and learning files
+# came last and one worker ran them alone for 200 s while the other sat idle. Files not listed
+# (under 12 s) follow in collection order.
+FILE_SECONDS = {
+    "packages/core/tests/test_vllm.py": 413,
+    "packages/mcp/tests/test_mcp_rl.py": 343,
+    "tests/test_examples.py": 300,
+    "packages/mcp/tests/test_win_rate.py": 227,
+    "packages/core/tests/test_distributed.py": 134,
+    "packages/core/tests/test_endpoint.py": 123,
+    "packages/core/tests/test_learning.py": 113,
+    "packages/agents-sdk/tests/test_agents_sdk.py": 87,
+    "tests/test_typescript.py": 86,
+    "packages/core/tests/test_remote.py": 83,
+    "tests/test_soak.py": 80,
+    "packages/langgraph/tests/test_langgraph.py": 74,
+    "packages/core/tests/test_pipeline.py": 73,
+    "packages/core/tests/test_families.py": 70,
+    "packages/core/tests/test_engine_kv.py": 54,
+    "packages/core/tests/test_train.py": 52,
+    "packages/core/tests/test_fuzz.py": 50,
+    "packages/core/tests/test_live.py": 46,
+    "tests/test_remote_adapters.py": 46,
+    "tests/test_light_client.py": 45,
+    "packages/core/tests/test_ruler_local.py": 39,
+    "tests/test_gpu_check.py": 33,
+    "packages/core/tests/test_constrained_decoding.py": 33,
+    "packages/core/tests/test_backend_contract.py": 31,
+    "tests/test_art_compat.py": 29,
+    "tests/test_front_doors.py": 29,
+    "tests/test_docs.py": 27,
+    "packages/core/tests/test_sft.py": 24,
+    "packages/core/tests/test_server_security.py": 23,
+    "packages/core/tests/test_langfuse.py": 22,
+    "packages/core/tests/test_engine_faults.py": 21,
+    "packages/mcp/tests/test_generated_checks.py": 21,
+    "packages/core/tests/test_sharded.py": 19,
+    "packages/core/tests/test_vllm_handoff.py": 19,
+    "packages/core/tests/test_viewer.py": 17,
+    "packages/core/tests/test_messages_api.py": 16,
+    "packages/core/tests/test_ruler.py": 14,
+    "packages/core/tests/test_packing.py": 13,
 }
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("JOURNEYMAN_TIMELINE"):  # per-test wall and CPU seconds (tests/_timeline.py)
+        import _timeline
+
+        config.pluginmanager.register(_timeline, "journeyman-timeline")
     # Under pytest-xdist the workers share the machine's cores: each computes on its share, and so
     # do the processes its tests start (servers, the soak, trainer ranks), since two 2-thread
     # OpenMP pools on 2 cores spin against each other (a soak beside another test ran 438 s).

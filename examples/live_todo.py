@@ -189,7 +189,10 @@ async def main(args: argparse.Namespace) -> None:
             episode_ttl_s=args.max_delay_s * 3 + 60,
             train=jm.TrainConfig(advantages="given", tis_cap=2.0, learning_rate=args.learning_rate),
             gate=jm.GateConfig(
-                canary_share=0.0, rollback_episodes=args.rollback_episodes, rollback_drop=0.25
+                canary_share=0.0,
+                margin=args.margin,
+                rollback_episodes=args.rollback_episodes,
+                rollback_drop=0.25,
             ),
         )
         await model.live(config, evaluate=held_out_eval(model, held_out))
@@ -247,6 +250,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--learning-rate", type=float, default=2e-4)
     p.add_argument("--rollback-episodes", type=int, default=24)
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=0.0,
+        help="how much worse on the held-out tasks a candidate may score and pass",
+    )
     p.add_argument("--window", type=int, default=32, help="episodes in the plotted rolling mean")
     p.add_argument("--final-wait-s", type=float, default=120.0)
     p.add_argument("--max-minutes", type=float, default=30.0, help="users stop starting episodes after this")
