@@ -577,7 +577,6 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
         if warmup is not None and await sft_warmup(model, warmup, settings.sft, echo):
             last = await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo, k)
             evals.append(last[0])
-        evaluated = await model.get_step()  # the step `last` evaluated
         policy = policy_player(model)
         score = functools.partial(score_group, judge=judge, judge_model=settings.judge_model, backend=backend)
         config = settings.train
@@ -642,12 +641,13 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
             if settings.eval_every and (i + 1) % settings.eval_every == 0 and i + 1 < settings.steps:
                 last = await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo, k)
                 evals.append(last[0])
-                evaluated = await model.get_step()
         if settings.steps:
-            if await model.get_step() != evaluated:
+            if await model.get_step() != last[0].step:  # else every step since was skipped
                 last = await evaluate_and_echo(model, pool, info, sset.eval, cfg, echo, k)
-            else:  # every step since was skipped: the same adapter, evaluated already
-                echo(f"eval@{evaluated}: unchanged since its evaluation above (the steps since were skipped)")
+            else:
+                echo(
+                    f"eval@{last[0].step}: unchanged since its evaluation above (the steps since were skipped)"
+                )
             evals.append(last[0])
         baseline: EvalSummary | None = None
         win_rates: list[WinRate] = []
