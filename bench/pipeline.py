@@ -116,9 +116,12 @@ def picture(path: Path, sync_spans, pipe: jm.PipelineResult, sync_s: float, pipe
 async def main(args: argparse.Namespace) -> None:
     scenarios = tasks.scenarios("train", args.groups * args.steps, seed=1)
     root = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
-    backend = jm.LocalBackend(path=root)
     results = {}
     for kind in ("sync", "pipeline"):
+        # the synchronous loop keeps the in-process engine (sampling and training take turns on all
+        # cores: nothing would overlap); the pipeline may split the cores (`--engine-threads`)
+        threads = args.engine_threads if kind == "pipeline" else None
+        backend = jm.LocalBackend(path=root, engine_threads=threads)
         model = jm.TrainableModel(name=kind, project="bench")
         await model.register(backend)
         rollout = make_rollout(args.tool_calls, args.seed, args.max_tokens)
@@ -130,6 +133,7 @@ async def main(args: argparse.Namespace) -> None:
         held_out, _ = await evaluate(model, args.eval_prompts)
         history = [r for r in await model.history() if r.get("split") == "train"]
         results[kind] = (seconds, held_out, history, extra)
+        backend.close()
         print(
             f"{kind}: {seconds:.1f} s for {args.steps} steps; held-out reward {held_out.mean:.3f} "
             f"± {held_out.sem:.3f}",
@@ -155,7 +159,6 @@ async def main(args: argparse.Namespace) -> None:
     print(f"pipeline: the trainer was busy {busy:.0f} of {pipe_s:.0f} s ({busy / pipe_s:.0%})")
     png = picture(Path(args.picture), sync_spans, pipe, sync_s, pipe_s)
     print(f"timeline: {png}")
-    backend.close()
 
 
 if __name__ == "__main__":
@@ -168,5 +171,12 @@ if __name__ == "__main__":
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--engine-threads",
+        type=int,
+        default=None,
+        help="the pipeline's engine in a worker process of this many threads, sampling while the "
+        "trainer trains on the other cores (LocalBackend(engine_threads=...)); default: in process",
+    )
     p.add_argument("--picture", default="docs/pipeline-timeline.png")
     asyncio.run(main(p.parse_args()))

@@ -30,6 +30,10 @@ def test_replica_and_rank_counts_are_checked_by_name(tmp_path: Path) -> None:
         jm.LocalBackend(path=tmp_path, engine_replicas=0)
     with pytest.raises(jm.InvalidFieldError, match=r"engine_replicas=2: .*data_parallel_size"):
         jm.LocalBackend(path=tmp_path, engine="vllm", engine_replicas=2)
+    with pytest.raises(jm.InvalidFieldError, match="engine_threads=0"):
+        jm.LocalBackend(path=tmp_path, engine_threads=0)
+    with pytest.raises(jm.InvalidFieldError, match=r"engine_threads=1: .*torch engine"):
+        jm.LocalBackend(path=tmp_path, engine="vllm", engine_threads=1)
     with pytest.raises(
         jm.InvalidFieldError, match=r"trainer.rank=1: .*python -m journeyman.training.distributed"
     ):
@@ -185,6 +189,60 @@ async def test_two_replica_processes_serve_64_requests_survive_a_kill_and_rejoin
         assert engine.replicas[1] is not workers[1]
         back = await ask(on_one[0], 8)
         assert engine.pick(affinity_key(conversation(on_one[0]))) == 1 and exact(back) < 1e-3
+    finally:
+        backend.close()
+
+
+@pytest.mark.slow
+async def test_an_engine_process_samples_while_a_step_trains(tmp_path: Path) -> None:
+    """`engine_threads=1`: one worker process samples on one core while the trainer trains on the
+    other; a request sent during the step is answered before the step ends, by the old step. The
+    worker also samples the base model beside the served step (live training's gate needs this)."""
+    import openai
+    from journeyman.engine.replicas import ReplicatedEngine
+
+    backend = jm.LocalBackend(path=tmp_path, engine_threads=1)
+    model = jm.TrainableModel(name="m", project="p")
+    await model.register(backend)
+    try:
+        assert isinstance(backend.service(model).engine, ReplicatedEngine)
+        assert backend.service(model).engine.serves_other_steps
+        assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) - 1)  # the trainer's share
+        client = model.openai_client(max_retries=0)
+        messages = [{"role": "user", "content": "Name a fruit."}]
+
+        async def ask(name: str = model.name, max_tokens: int = 4, seed: int = 0, temperature: float = 1.0):
+            return await client.chat.completions.create(
+                model=name,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=seed,  # type: ignore[arg-type]
+            )
+
+        def step_of(c: openai.types.chat.ChatCompletion) -> int:
+            return jm.record_of(c.choices[0]).step
+
+        greedy0 = jm.record_of((await ask(max_tokens=8, temperature=0.0)).choices[0])
+        out = await asyncio.gather(*(ask(max_tokens=24, seed=s) for s in range(4)))
+        groups = [
+            jm.TrajectoryGroup(
+                jm.Trajectory(messages_and_choices=[*messages, c.choices[0]], reward=float(i % 2))
+                for i, c in enumerate(out)
+            )
+        ]
+        step = asyncio.create_task(model.train(groups))
+        answered = []
+        while not step.done():
+            c = await ask()
+            if not step.done():
+                answered.append(step_of(c))
+        assert (await step).step == 1
+        assert answered and set(answered) == {0}  # sampled during the step, by step 0
+        assert step_of(await ask()) == 1
+        # the base model (the adapter switched off) beside step 1: step 0's weights, as at the start
+        base = await ask(model.base_model, max_tokens=8, temperature=0.0)
+        assert jm.record_of(base.choices[0]).token_ids == greedy0.token_ids
     finally:
         backend.close()
 

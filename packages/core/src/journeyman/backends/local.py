@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -284,6 +285,9 @@ class LocalBackend:
     `engine="vllm"` (or a `VLLMConfig`) samples through a vLLM server process that hot-loads each step's adapter.
     `trainer=TrainerConfig(world_size=N)` trains data-parallel on N ranks (`distributed.py`);
     `engine_replicas=N` serves through N torch engine worker processes (`engine/torch_process.py`).
+    `engine_threads=T` runs the torch engine in worker processes of T CPU threads each (one, unless
+    `engine_replicas` says more) that keep sampling while a step trains; the trainer keeps the other
+    cores. Default None: the engine samples in this process and takes turns with the trainer.
     `dtype=None` (default) chooses by device: bfloat16 on a GPU with bf16, else float32 (`policy/precision.py`).
     `report_to=["wandb"]` mirrors every history row, each step's config and sample trajectories to
     Weights & Biases (`tracking.py`); off by default.
@@ -298,6 +302,7 @@ class LocalBackend:
         dtype: str | None = None,
         trainer: TrainerConfig | None = None,
         engine_replicas: int = 1,
+        engine_threads: int | None = None,
         report_to: Sequence[str] = (),
     ) -> None:
         require_backend("LocalBackend")  # a light install fails here, saying what to install
@@ -318,7 +323,14 @@ class LocalBackend:
                 engine_replicas,
                 "is for the torch engine; vLLM runs its own replicas: VLLMConfig(data_parallel_size=N)",
             )
+        if engine_threads is not None and (engine_threads < 1 or self.engine_kind == "vllm"):
+            raise InvalidFieldError(
+                "engine_threads",
+                engine_threads,
+                "must be >= 1, and is for the torch engine (vLLM has its own process)",
+            )
         self.engine_replicas = engine_replicas
+        self.engine_threads = engine_threads
         self.report_to = check_report_to(report_to)
         self.trainer_config = trainer or TrainerConfig()
         if self.trainer_config.rank != 0:
@@ -327,7 +339,7 @@ class LocalBackend:
                 self.trainer_config.rank,
                 "rank 0 runs the backend; start the other ranks with `python -m journeyman.training.distributed`",
             )
-        if self.trainer_config.shard_base and self.engine_kind == "torch" and engine_replicas == 1:
+        if self.trainer_config.shard_base and self.engine_kind == "torch" and self._engine_in_process:
             # a sharded base holds 1/N of each layer: the in-process engine would have no whole
             # weights to sample from, and rank 0 must run every forward together with the others
             raise InvalidFieldError(
@@ -466,12 +478,18 @@ class LocalBackend:
                 dtype=self.dtype,
                 lora_rank=policy.lora.r,
             )
-        if self.engine_replicas == 1:  # samples from the very weights the trainer updates
+        if self._engine_in_process:  # samples from the very weights the trainer updates
             from journeyman.engine.torch_engine import TorchEngine
 
             return TorchEngine(policy, chat_format.stop_ids)
         from journeyman.engine.replicas import ReplicatedEngine
         from journeyman.engine.torch_process import replica_specs, start_replicas
+
+        if self.engine_threads is not None and policy.device.type == "cpu":
+            # the cores split, not shared: two OpenMP pools on the same cores spin against each other
+            import torch
+
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) - self.engine_replicas * self.engine_threads))
 
         # N worker processes, each with its own weights, loading each step's checkpoint
         specs = replica_specs(
@@ -483,8 +501,13 @@ class LocalBackend:
             device=self.device,
             adapter=checkpoint if step > 0 else None,
             step=step,
+            threads=self.engine_threads,
         )
         return ReplicatedEngine(start_replicas(specs))
+
+    @property
+    def _engine_in_process(self) -> bool:
+        return self.engine_replicas == 1 and self.engine_threads is None
 
     def service(self, model: ModelConfig | str) -> _Service:
         """The in-process parts serving `model` (engine, policy, chat format): for tests and benches."""
@@ -821,7 +844,7 @@ class LocalBackend:
             raise InvalidFieldError(
                 "config.gate.canary_share",
                 config.gate.canary_share,
-                "this engine serves one step at a time (vLLM, engine replicas): a candidate cannot be "
+                "this engine serves one step at a time (vLLM): a candidate cannot be "
                 "sampled beside the promoted step; set canary_share=0, no evaluate, and decide by command",
             )
         live_dir = self.run_dir(model) / "live"

@@ -34,6 +34,7 @@ class ReplicatedEngine(Engine):
         self.down: set[int] = set()
         self.routed = [0] * len(self.replicas)
         self.step = self.replicas[0].step
+        self.serves_other_steps = all(r.serves_other_steps for r in self.replicas)
 
     def live(self) -> list[int]:
         for i, r in enumerate(self.replicas):

@@ -82,6 +82,10 @@ class TorchProcessEngine(Engine):
     """Parent-side handle: requests go down the pipe, a reader thread settles their futures (on
     whichever event loop asked, so the endpoint's server thread and the backend's loop both can)."""
 
+    # the worker's TorchEngine samples another checkpoint (or the base) one row at a time, reading
+    # it from the same disk: live training's candidate and canary work through a replica too
+    serves_other_steps = True
+
     def __init__(
         self,
         spec: WorkerSpec,
@@ -337,11 +341,13 @@ def replica_specs(
     device: str | None,
     adapter: Path | None,
     step: int,
+    threads: int | None = None,
 ) -> list[WorkerSpec]:
-    """One spec per replica: the CPU cores split between them; on CUDA, replica i on GPU i mod count."""
+    """One spec per replica: `threads` CPU threads each (None: the cores split between them); on
+    CUDA, replica i on GPU i mod count."""
     import torch
 
-    threads = max(1, (os.cpu_count() or 1) // replicas)
+    threads = threads or max(1, (os.cpu_count() or 1) // replicas)
     gpus = torch.cuda.device_count() if device in (None, "cuda") else 0
     return [
         WorkerSpec(
