@@ -143,6 +143,31 @@ async def test_stale_groups_are_dropped_and_finished_groups_survive_a_restart(
     assert "train/is_weight_mean" in row
 
 
+async def test_the_old_groups_of_a_wave_train_before_they_go_stale(
+    local: jm.TrainableModel, tmp_path: Path
+) -> None:
+    """Four groups start together at step s; two come back at once and train. The two that replace
+    them come back long before the wave's slow two, which would be two steps behind a step later:
+    the trainer waits for those and takes the oldest first, so no group is wasted and three steps
+    train from six groups (taking groups as they come, the slow two went stale and the run ended
+    after two steps, the scenarios spent)."""
+    delays = {"a": 0.0, "b": 0.0, "c": 5.0, "d": 5.0, "e": 0.0, "f": 0.0}
+
+    async def rollout(model: jm.TrainableModel, name: str) -> jm.Trajectory:
+        messages = [{"role": "user", "content": f"Say {name}."}]
+        choice = await _ask(model, messages, max_tokens=2)
+        await asyncio.sleep(delays[name])  # the environment, after the model's turn
+        return jm.Trajectory(messages_and_choices=[*messages, choice], reward=random.random())
+
+    config = jm.PipelineConfig(
+        group_size=2, groups_per_step=2, max_steps_off_policy=1, journal=tmp_path / "j", progress=False
+    )
+    start = await local.get_step()
+    result = await jm.PipelineTrainer(local, rollout, list(delays), config).train(3)
+    assert (result.steps, result.trained_groups, result.stale_groups) == (3, 6, 0), result
+    assert result.final_step == start + 3
+
+
 _CLIENT = textwrap.dedent(
     """
     import asyncio, itertools, os, random, sys

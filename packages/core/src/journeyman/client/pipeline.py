@@ -24,6 +24,7 @@ import inspect
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
@@ -212,8 +213,10 @@ class _Run(Generic[S]):
         # finished groups by id; None wakes the trainer to see that the scenarios ran out
         self.queue: asyncio.Queue[tuple[str, TrajectoryGroup] | None] = asyncio.Queue()
         self.room = asyncio.Condition()
-        self.in_flight = 0  # groups rolling out or waiting in the queue
+        self.in_flight = 0  # groups rolling out or waiting to train
         self.rolling = 0
+        self.rolling_starts: Counter[int] = Counter()  # the step each rolling group started at
+        self.ready: list[tuple[str, TrajectoryGroup]] = []  # finished, fit, not yet taken
         self.step = 0
         self.t0 = time.perf_counter()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -283,16 +286,19 @@ class _Run(Generic[S]):
                 async with self.room:
                     await self.room.wait_for(lambda: self.in_flight < self.cap)
                     self.in_flight += 1
-                task = asyncio.create_task(self._roll(scenario))
+                # counted as rolling from here, not from when the task first runs: the trainer
+                # must never see an empty queue and nothing rolling while a group is on its way
+                self.rolling += 1
+                self.rolling_starts[self.step] += 1
+                task = asyncio.create_task(self._roll(scenario, self.step))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
         finally:
             self.exhausted = True
             self.queue.put_nowait(None)
 
-    async def _roll(self, scenario: S) -> None:
-        start, step = self._now(), self.step
-        self.rolling += 1
+    async def _roll(self, scenario: S, step: int) -> None:
+        start = self._now()
         try:
             group = TrajectoryGroup(self.t.rollout(self.model, scenario) for _ in range(self.cfg.group_size))
             await group.resolve(self._on_result)
@@ -311,6 +317,7 @@ class _Run(Generic[S]):
             return
         finally:
             self.rolling -= 1
+            self.rolling_starts[step] -= 1
         gid = secrets.token_hex(12)
         self.journal.add(gid, group)  # before it can train: a crash from here on keeps it
         self.timeline.append(TimelineEvent(kind="rollout", start=start, end=self._now(), step=step))
@@ -335,34 +342,61 @@ class _Run(Generic[S]):
         return self.counts["exceptions"] > limit
 
     async def _next_batch(self, bar: _Bar) -> list[tuple[str, TrajectoryGroup]] | None:
-        """The next step's groups, dropping stale and signal-less ones on the way; None when the
-        scenarios ran out before a whole step was ready."""
-        batch: list[tuple[str, TrajectoryGroup]] = []
-        while len(batch) < self.cfg.groups_per_step:
-            if self.exhausted and self.queue.empty() and not self.tasks:
-                if batch:  # the scenarios ran out: train what there is
-                    return batch
-                return None
-            item = await self.queue.get()
-            if item is None:
-                continue  # the scenarios ran out: the check above decides
-            gid, group = item
-            if self._too_many_exceptions():
-                raise TooManyExceptionsError(
-                    self.counts["exceptions"],
-                    self.counts["rollouts"],
-                    self.cfg.max_exceptions,
-                    [g for _, g in batch] + [group],
-                )
-            await self._release(1)
-            why = self._unfit(group)
-            if why is not None:
-                self.counts[why] += 1
-                self.journal.settle([gid], why, self.step)
-                self._show(bar)
-                continue
-            batch.append((gid, group))
-        return batch
+        """The next step's groups, oldest first, dropping stale and signal-less ones on the way;
+        None when the scenarios ran out before a whole step was ready.
+
+        Oldest first, and waiting for a group still rolling that would be stale at the next step:
+        groups start in waves (a step frees its groups' places at once), so two steps in a row
+        otherwise take the young groups of a wave and leave its old ones to go stale."""
+        n = self.cfg.groups_per_step
+        while True:
+            while not self.queue.empty():
+                await self._admit(self.queue.get_nowait(), bar)
+            for entry in [e for e in self.ready if self._unfit(e[1]) == "stale"]:
+                self.ready.remove(entry)
+                await self._drop(entry[0], "stale", bar)
+            if len(self.ready) >= n and not self._worth_waiting(n):
+                self.ready.sort(key=lambda e: oldest_step(e[1]) or 0)
+                batch, self.ready = self.ready[:n], self.ready[n:]
+                await self._release(len(batch))
+                return batch
+            if self.exhausted and self.queue.empty() and not self.rolling:
+                batch, self.ready = self.ready, []  # the scenarios ran out: train what there is
+                await self._release(len(batch))
+                return batch or None
+            await self._admit(await self.queue.get(), bar)
+
+    def _worth_waiting(self, n: int) -> bool:
+        """Whether a group still rolling would be stale after this step and could take a place in
+        it that a younger group would otherwise take."""
+        edge = self.step - self.cfg.max_steps_off_policy
+        urgent_ready = sum(1 for _, g in self.ready if (oldest_step(g) or 0) <= edge)
+        urgent_rolling = sum(c for s, c in self.rolling_starts.items() if s <= edge)
+        return urgent_ready < n and urgent_rolling > 0
+
+    async def _admit(self, item: tuple[str, TrajectoryGroup] | None, bar: _Bar) -> None:
+        """A finished group into `ready`, unless it is unfit (dropped, its place freed)."""
+        if item is None:
+            return  # the scenarios ran out, or a group was lost: `_next_batch` looks again
+        gid, group = item
+        if self._too_many_exceptions():
+            raise TooManyExceptionsError(
+                self.counts["exceptions"],
+                self.counts["rollouts"],
+                self.cfg.max_exceptions,
+                [g for _, g in self.ready] + [group],
+            )
+        why = self._unfit(group)
+        if why is not None:
+            await self._drop(gid, why, bar)
+        else:
+            self.ready.append((gid, group))
+
+    async def _drop(self, gid: str, why: Literal["stale", "zero"], bar: _Bar) -> None:
+        await self._release(1)
+        self.counts[why] += 1
+        self.journal.settle([gid], why, self.step)
+        self._show(bar)
 
     def _unfit(self, group: TrajectoryGroup) -> Literal["stale", "zero"] | None:
         if not group.trajectories:
@@ -410,7 +444,7 @@ class _Run(Generic[S]):
             **metrics,
             "pipeline/stale_groups": float(self.counts["stale"]),
             "pipeline/zero_variance_groups": float(self.counts["zero"]),
-            "pipeline/queue": float(self.queue.qsize()),
+            "pipeline/queue": float(self.queue.qsize() + len(self.ready)),
             "pipeline/rolling": float(self.rolling),
         }
         self.history.append(row)
@@ -430,7 +464,7 @@ class _Run(Generic[S]):
         bar.show(
             step=self.step,
             rolling=self.rolling,
-            queue=self.queue.qsize(),
+            queue=self.queue.qsize() + len(self.ready),
             stale=self.counts["stale"],
             zero=self.counts["zero"],
             behind=f"{m['staleness_mean']:.2f}" if "staleness_mean" in m else None,
