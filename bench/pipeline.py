@@ -76,7 +76,12 @@ async def pipelined(
 ) -> tuple[float, jm.PipelineResult]:
     train = jm.PipelineConfig().train.model_copy(update={"learning_rate": args.lr})
     config = jm.PipelineConfig(
-        group_size=args.group_size, groups_per_step=args.groups, train=train, progress=False
+        group_size=args.group_size,
+        groups_per_step=args.groups,
+        max_in_flight=args.max_in_flight,
+        skip_zero_variance=not args.keep_zero_variance,
+        train=train,
+        progress=False,
     )
     t0 = time.perf_counter()
     result = await jm.PipelineTrainer(model, rollout, itertools.cycle(scenarios), config).train(args.steps)
@@ -171,6 +176,14 @@ if __name__ == "__main__":
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-in-flight", type=int, default=None, help="PipelineConfig.max_in_flight (default: its own)"
+    )
+    p.add_argument(
+        "--keep-zero-variance",
+        action="store_true",
+        help="the pipeline trains groups without reward spread too, as the synchronous loop does",
+    )
     p.add_argument(
         "--engine-threads",
         type=int,
