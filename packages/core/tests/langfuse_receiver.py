@@ -341,7 +341,15 @@ class LangfuseReceiver:
         keys = [k for g in ["core", *groups] for k in FIELD_GROUPS[g]]
         data = []
         for o, t in page:
-            full = {**o, "tags": t.get("tags", []), "traceName": t.get("name"), "release": None}
+            # the trace's session and user, as Langfuse's observations carry them (field group "basic")
+            full = {
+                **o,
+                "tags": t.get("tags", []),
+                "traceName": t.get("name"),
+                "release": None,
+                "sessionId": t.get("sessionId"),
+                "userId": t.get("userId"),
+            }
             item = {k: full.get(k) for k in keys}
             if "metadata" in item:
                 item["metadata"] = {k: self._meta_value(v, k in expand) for k, v in o["metadata"].items()}

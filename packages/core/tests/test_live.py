@@ -361,5 +361,91 @@ async def test_kill_9_of_the_server_with_scored_episodes_waiting_loses_none(tmp_
             [*cli, "--token", token], capture_output=True, text=True, timeout=120, check=True
         ).stdout
         assert "promoted step 0, candidate 1" in shown and "5 trained in 1 steps" in shown, shown
+        # a Langfuse score as an episode's outcome, by command (`journeyman live langfuse`)
+        await _call(model, "ep-lf")
+        receiver, lf = _langfuse()
+        try:
+            with lf.start_as_current_observation(
+                name="agent", as_type="span", metadata={"ep": "ep-lf"}
+            ) as root:
+                pass
+            lf.create_score(name="human", value=0.25, trace_id=root.trace_id)
+            lf.flush()
+            from journeyman.app.cli import app
+            from typer.testing import CliRunner
+
+            args = ["live", "langfuse", "tiny", "--server", server.url, "--token", token, "--score", "human"]
+            args += ["--episode-from", "ep", "--public-key", receiver.public_key, "--secret-key"]
+            args += [receiver.secret_key, "--host", receiver.host]
+            out = await asyncio.to_thread(CliRunner().invoke, app, args)
+            assert out.exit_code == 0 and "1 traces: 1 outcomes reported" in out.output, out.output
+        finally:
+            receiver.stop()
+        assert (await model.live_status()).episodes_waiting == 1
     finally:
         server.kill()
+
+
+def _langfuse() -> tuple[Any, Any]:
+    """A Langfuse stand-in on 127.0.0.1 (`langfuse_receiver.py`) and an SDK client exporting to it."""
+    import importlib.util
+
+    from langfuse import Langfuse
+    from opentelemetry.sdk.trace import TracerProvider
+
+    path = Path(__file__).with_name("langfuse_receiver.py")
+    spec = importlib.util.spec_from_file_location("langfuse_receiver", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    r = module.LangfuseReceiver(f"pk-lf-{secrets.token_hex(4)}", f"sk-lf-{secrets.token_hex(4)}")
+    lf = Langfuse(
+        public_key=r.public_key, secret_key=r.secret_key, base_url=r.host, tracer_provider=TracerProvider()
+    )
+    return r, lf
+
+
+async def test_langfuse_scores_become_the_outcomes_of_their_episodes(
+    live: tuple[jm.TrainableModel, Any],
+) -> None:
+    """Traces whose session id is an episode id: a scored one is that episode's outcome (its score
+    a metric too), again a duplicate; unscored, unknown and id-less traces are counted, not sent."""
+    from contextlib import nullcontext
+
+    from journeyman.integrations.langfuse import report_scored_outcomes
+    from langfuse import propagate_attributes
+
+    model, backend = live
+    await model.live(QUICK.model_copy(update={"episodes_per_step": 100, "episode_ttl_s": 600}))
+    run = backend.service(model).live
+    ids = [f"lf-{secrets.token_hex(4)}" for _ in range(3)]
+    for eid in ids:
+        await _call(model, eid)
+    r, lf = _langfuse()
+    keys = {"public_key": r.public_key, "secret_key": r.secret_key, "host": r.host}
+    try:
+
+        def trace(session: str | None) -> str:
+            with (
+                propagate_attributes(session_id=session) if session else nullcontext(),
+                lf.start_as_current_observation(name="agent", as_type="span") as root,
+            ):
+                return root.trace_id
+
+        traces = [trace(ids[0]), trace(ids[1]), trace(ids[2]), trace("nobody-asked"), trace(None)]
+        for tid, value in zip(traces, [0.9, 0.1, None, 1.0, 0.5], strict=True):
+            if value is not None:
+                lf.create_score(name="human", value=value, trace_id=tid)
+        lf.flush()
+
+        sync = await report_scored_outcomes(model, score="human", **keys)
+        assert (sync.traces, sync.reported, sync.duplicates) == (5, 2, 0), sync
+        assert sync.skipped == {"no score": 1, "not a live episode": 1, "no episode id": 1}
+        again = await report_scored_outcomes(model, score="human", **keys)
+        assert (again.reported, again.duplicates) == (0, 2), again
+    finally:
+        r.stop()
+    await _until(lambda: ids[0] in run.waiting)
+    (t,) = run.waiting[ids[0]][0].trajectories
+    assert t.reward == 0.9 and t.metrics["langfuse/human"] == 0.9
+    assert ids[2] not in run.waiting

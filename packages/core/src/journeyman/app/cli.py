@@ -5,11 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from journeyman.app.langfuse_cli import QUERY as LANGFUSE_QUERY
+from journeyman.app.langfuse_cli import Host as LangfuseHost
+from journeyman.app.langfuse_cli import PublicKey as LangfusePublicKey
+from journeyman.app.langfuse_cli import SecretKey as LangfuseSecretKey
 from journeyman.app.langfuse_cli import app as langfuse_app
 from journeyman.app.options import Fields, with_fields
 from journeyman.backends.plan import PRESETS, Layout, TrainingSetup
@@ -516,6 +521,75 @@ def live_decide(
         raise typer.BadParameter("use promote, reject or rollback", param_hint="action")
     d = _remote_call(server, token, model, lambda b, m: b.decide(m, action, step, reason))
     typer.echo(f"{d.action} step {d.step}: serving step {d.served} ({d.reason})")
+
+
+@live_app.command("langfuse")
+@with_fields(query=replace(LANGFUSE_QUERY, defaults={"score": None}))
+def live_langfuse(
+    model: _MODEL,
+    server: _SERVER = "http://127.0.0.1:7800",
+    token: _SERVER_TOKEN = None,
+    episode_from: Annotated[
+        str,
+        typer.Option(
+            help="where a trace holds its episode id: session_id, trace_id, trace_name or a metadata key"
+        ),
+    ] = "session_id",
+    group_from: Annotated[
+        str | None,
+        typer.Option(help="where it holds the episode's group key, read the same way (default: none)"),
+    ] = None,
+    every: Annotated[float, typer.Option(help="seconds between two rounds; 0: one round and exit")] = 0.0,
+    public_key: LangfusePublicKey = None,
+    secret_key: LangfuseSecretKey = None,
+    host: LangfuseHost = None,
+    *,
+    query: dict[str, Any],
+) -> None:
+    """Report scored Langfuse traces as the outcomes of a served model's live episodes (idempotent:
+    run it on a timer, or with --every)."""
+    import time
+
+    if not query.get("score"):
+        raise typer.BadParameter("name the score that becomes the reward", param_hint="--score")
+    q = LANGFUSE_QUERY.build(query)
+
+    async def once(backend: Any, m: ModelConfig) -> Any:
+        from journeyman.integrations.langfuse import report_scored_outcomes
+
+        served = _Served(backend, m)
+        return await report_scored_outcomes(
+            served,
+            q,
+            episode_from=episode_from,
+            group_from=group_from,
+            public_key=public_key,
+            secret_key=secret_key,
+            host=host,
+        )
+
+    while True:
+        sync = _remote_call(server, token, model, once)
+        skipped = ", ".join(f"{n} {why}" for why, n in sync.skipped.items()) or "none"
+        typer.echo(
+            f"{sync.traces} traces: {sync.reported} outcomes reported, {sync.duplicates} reported before; "
+            f"skipped: {skipped}"
+        )
+        if every <= 0:
+            return
+        time.sleep(every)
+
+
+class _Served:
+    """A served model reached through a backend by name: what `report_scored_outcomes` reports to."""
+
+    def __init__(self, backend: Any, model: ModelConfig) -> None:
+        self.backend, self.model = backend, model
+
+    async def report_outcome(
+        self, episode_id: str, reward: float, *, metrics: Any = None, group: str | None = None
+    ) -> Any:
+        return await self.backend.report_outcome(self.model, episode_id, reward, metrics, group)
 
 
 def _status_text(s: LiveStatus) -> str:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from journeyman.integrations.langfuse._client import CountingSpanExporter, Credentials, credentials
     from journeyman.integrations.langfuse._export import ExportStats, LangfuseExporter, export_to_langfuse
     from journeyman.integrations.langfuse._import import ReviewSet, fetch_review_set, fetch_trajectory_groups
+    from journeyman.integrations.langfuse._outcomes import OutcomeSync, report_scored_outcomes
     from journeyman.integrations.langfuse._query import LangfuseTrace, ReviewQuery, ReviewScore
     from journeyman.integrations.langfuse._wire import (
         GENERATION_NAME,
@@ -35,6 +36,7 @@ _WHERE = {
     "_client": ("CountingSpanExporter", "Credentials", "credentials"),
     "_export": ("ExportStats", "LangfuseExporter", "export_to_langfuse"),
     "_import": ("ReviewSet", "fetch_review_set", "fetch_trajectory_groups"),
+    "_outcomes": ("OutcomeSync", "report_scored_outcomes"),
     "_query": ("LangfuseTrace", "ReviewQuery", "ReviewScore"),
     "_wire": (
         "GENERATION_NAME",
@@ -68,6 +70,7 @@ __all__ = [
     "GenerationPayload",
     "LangfuseExporter",
     "LangfuseTrace",
+    "OutcomeSync",
     "ReviewQuery",
     "ReviewScore",
     "ReviewSet",
@@ -76,4 +79,5 @@ __all__ = [
     "export_to_langfuse",
     "fetch_review_set",
     "fetch_trajectory_groups",
+    "report_scored_outcomes",
 ]

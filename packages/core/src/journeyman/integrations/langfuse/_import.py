@@ -332,26 +332,25 @@ def _api(
     return read_api(credentials(public_key, secret_key, host))
 
 
-def _fetch(q: ReviewQuery, api: LangfuseAPI, progress: bool, concurrency: int) -> ReviewSet:
+def scored_traces(
+    q: ReviewQuery, api: LangfuseAPI, fields: str = "core,basic,trace_context"
+) -> tuple[dict[str, Any], dict[str, list[ReviewScore]], dict[str, float], Counter[str]]:
+    """The traces `q` matches, one root observation each (with `fields`), their scores by name (and
+    source / annotation queue), the reward each combines to, and the traces left out, by reason."""
     names = q.score
     sources = q.score_source or []
     skipped: Counter[str] = Counter()
 
     # 1. the traces: one root observation each (a trace may have several roots; keep the first)
     roots: dict[str, Any] = {}
-    for obs in _pages(
-        api.observations.get_many,
-        fields="core,basic,trace_context",
-        filter=_root_filter(q),
-        limit=1000,
-    ):
+    for obs in _pages(api.observations.get_many, fields=fields, filter=_root_filter(q), limit=1000):
         if obs.trace_id and obs.trace_id not in roots:
             roots[obs.trace_id] = obs
             if q.limit is not None and len(roots) >= q.limit:
                 break
     trace_ids = list(roots)
 
-    # 2. their scores, by name (and source / annotation queue)
+    # 2. their scores
     scores: dict[str, list[ReviewScore]] = {}
     for i in range(0, len(trace_ids), 50):
         chunk = trace_ids[i : i + 50]
@@ -377,6 +376,12 @@ def _fetch(q: ReviewQuery, api: LangfuseAPI, progress: bool, concurrency: int) -
             skipped["score not numeric"] += 1
             continue
         rewards[tid] = float(value)
+    return roots, scores, rewards, skipped
+
+
+def _fetch(q: ReviewQuery, api: LangfuseAPI, progress: bool, concurrency: int) -> ReviewSet:
+    roots, scores, rewards, skipped = scored_traces(q, api)
+    trace_ids = list(roots)
 
     # 3. every observation of each scored trace, with our payloads unabridged
     expand = ",".join(dict.fromkeys([_wire.META_KEY, *([q.group_by] if isinstance(q.group_by, str) else [])]))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from journeyman.data.types import Trajectory
 from journeyman.errors import InvalidFieldError, OwnErrorsModel
@@ -61,6 +61,8 @@ class ReviewQuery(OwnErrorsModel):
 
     `fetch_review_set(ReviewQuery(score="human", tags=["journeyman"]))`, or the same as keywords:
     `fetch_review_set(score="human", tags=["journeyman"])`."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt filter is an error, not a query for everything
 
     score: list[str] = Field(
         description="score name(s) that become the reward; several names (or several reviewers) on one "
