@@ -300,6 +300,42 @@ async def test_an_eval_function_gates_a_candidate_sampled_beside_the_promoted_st
     assert row["live/eval"] == 0.0 and row["live/eval_promoted"] == 1.0 and run.promoted == promoted
 
 
+async def test_a_gate_against_the_best_stops_a_drift_one_margin_at_a_time(
+    live: tuple[jm.TrainableModel, Any],
+) -> None:
+    """Evals 0.60, 0.56, 0.52 for three candidates in a row, margin 0.05: against the promoted step
+    each passes (0.52 is within 0.05 of 0.56); against the best promoted eval (0.60) the third does
+    not, and the reason names the bar and its step."""
+    model, backend = live
+    evals = iter([0.60, 0.56, 0.52])
+    scored: dict[int, float] = {}
+
+    async def evaluate(name: str) -> float:
+        step = int(name.rsplit("@", 1)[1])
+        if step not in scored:  # each candidate in turn (the promoted step is set below)
+            scored[step] = next(evals, 0.0)
+        return scored[step]
+
+    if (await model.live_status()).candidate is not None:  # left by an earlier test: not this gate's
+        await model.decide("reject", reason="another test's candidate")
+    gate = QUICK.gate.model_copy(update={"canary_share": 0.0, "margin": 0.05, "against": "best"})
+    await model.live(QUICK.model_copy(update={"gate": gate}), evaluate=evaluate)
+    run = backend.service(model).live
+    scored[run.promoted] = 0.50
+    start = len(run_history(backend, model))
+
+    def judged() -> list[dict[str, Any]]:
+        return [r for r in run_history(backend, model)[start:] if "live/eval_bar" in r]
+
+    for k in range(3):
+        await _episodes(model, 4, lambda step: random.random(), f"best-{k}")
+        await _until(lambda k=k: len(judged()) > k, 300)
+    decisions = [(r["decision"], r["live/eval"]) for r in judged()[:3]]
+    assert decisions == [("promote", 0.60), ("promote", 0.56), ("reject", 0.52)], decisions
+    assert "vs 0.600 for step" in judged()[2]["reason"] and "best so far" in judged()[2]["reason"]
+    assert run.best is not None and run.best[1] == 0.60
+
+
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 

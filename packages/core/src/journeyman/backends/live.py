@@ -141,6 +141,9 @@ class LiveRun:
         self.candidate_since = len(self.scored)
         self.evaluated: set[int] = set()  # candidates the eval function has judged
         self.scores: dict[int, float] = {}  # each step's eval score (scored once)
+        # (step, eval) of the best step promoted under this evaluation; in memory like the scores, as
+        # another run's (or another eval function's) numbers do not compare
+        self.best: tuple[int, float] | None = None
         self.error: str | None = None
 
     # -- the served steps --------------------------------------------------------------------
@@ -360,10 +363,16 @@ class LiveRun:
             return
         mine, theirs = self.scores[candidate], self.scores[self.promoted]
         self.evaluated.add(candidate)
+        if self.best is None or theirs > self.best[1]:
+            self.best = (self.promoted, theirs)
+        bar_step, bar = (self.promoted, theirs)
+        if self.config.gate.against == "best":
+            bar_step, bar = self.best
         margin = self.config.gate.margin
-        numbers = f"eval {mine:.3f} vs {theirs:.3f} for step {self.promoted} (margin {margin:g})"
-        extra = {"eval": mine, "eval_promoted": theirs}
-        if mine < theirs - margin:
+        kind = "best so far, " if bar_step != self.promoted else ""
+        numbers = f"eval {mine:.3f} vs {bar:.3f} for step {bar_step} ({kind}margin {margin:g})"
+        extra = {"eval": mine, "eval_promoted": theirs, "eval_bar": bar}
+        if mine < bar - margin:
             await self.decide("reject", candidate, f"evaluation: worse, {numbers}", "gate", extra)
         elif self.config.gate.canary_share <= 0:
             await self.decide("promote", candidate, f"evaluation: not worse, {numbers}", "gate", extra)
@@ -438,6 +447,9 @@ class LiveRun:
                 await self.s.serve(step)
                 self.promoted = step
                 self.rejected.discard(step)
+                score = self.scores.get(step)
+                if score is not None and (self.best is None or score > self.best[1]):
+                    self.best = (step, score)
             else:
                 self.rejected.add(step)
             if step == self.candidate:
@@ -452,6 +464,8 @@ class LiveRun:
             await self.s.serve(parent)
             self.promoted = parent
             self.rejected.add(rolled)
+            if self.best is not None and self.best[0] == rolled:
+                self.best = None  # a bar its live traffic refuted; the next evaluation sets another
             step = rolled
             self.candidate = None  # a candidate made from the rolled-back step is not judged further
         decision = Decision(

@@ -45,6 +45,12 @@ class GateConfig(BaseModel):
         description="how much worse than the promoted step a candidate may look and still pass "
         "(reward units)",
     )
+    against: Literal["promoted", "best"] = Field(
+        default="promoted",
+        description="what an evaluated candidate is compared with: the promoted step, or the best eval "
+        "of any step promoted so far (a ratchet: \"not worse within the margin\" cannot drift down one "
+        "margin per step)",
+    )
     z: float = Field(
         default=1.645,
         ge=0.0,
