@@ -48,7 +48,7 @@ class GateConfig(BaseModel):
     against: Literal["promoted", "best"] = Field(
         default="promoted",
         description="what an evaluated candidate is compared with: the promoted step, or the best eval "
-        "of any step promoted so far (a ratchet: \"not worse within the margin\" cannot drift down one "
+        'of any step promoted so far (a ratchet: "not worse within the margin" cannot drift down one '
         "margin per step)",
     )
     z: float = Field(
