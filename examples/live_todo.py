@@ -63,8 +63,11 @@ class Served:
     poisoned: bool  # its reward was inverted
 
 
-async def attempt(model: jm.TrainableModel, s: Scenario, name: str, temperature: float) -> tuple[bool, int]:
-    """One request (a forced tool call), the tool calls run on a fresh list: (task done?, serving step)."""
+async def attempt(
+    model: jm.TrainableModel, s: Scenario, name: str, temperature: float, seed: int | None = None
+) -> tuple[bool, int]:
+    """One request (a forced tool call), the tool calls run on a fresh list: (task done?, serving step).
+    A seed makes the sample reproducible (the users' runs are, from `--seed`)."""
     todo = s.fresh_list()
     out = await model.openai_client().chat.completions.create(
         model=name,
@@ -73,6 +76,7 @@ async def attempt(model: jm.TrainableModel, s: Scenario, name: str, temperature:
         tool_choice="required",
         max_tokens=64,
         temperature=temperature,
+        seed=seed,
     )
     for call in out.choices[0].message.tool_calls or []:
         fn = call.function  # pyright: ignore[reportAttributeAccessIssue]
@@ -107,10 +111,10 @@ class Population:
     async def user(self) -> None:
         while self.started < self.args.episodes and time.monotonic() - self.t0 < self.args.max_minutes * 60:
             self.started += 1
-            s, eid = self.rng.choice(self.tasks), uuid.uuid4().hex
+            s, eid, seed = self.rng.choice(self.tasks), uuid.uuid4().hex, self.rng.randrange(1 << 31)
             poisoned = self.poisoned()
             with self.model.episode(eid):
-                success, step = await attempt(self.model, s, self.model.name, self.args.temperature)
+                success, step = await attempt(self.model, s, self.model.name, self.args.temperature, seed)
             self.served.append(Served(time.monotonic() - self.t0, step, success, poisoned))
             if self.rng.random() < self.args.missing:
                 self.missing += 1  # this user never says: the episode expires, counted
