@@ -217,6 +217,7 @@ class _Run(Generic[S]):
         self.rolling = 0
         self.rolling_starts: Counter[int] = Counter()  # the step each rolling group started at
         self.ready: list[tuple[str, TrajectoryGroup]] = []  # finished, fit, not yet taken
+        self.oldest: dict[str, int | None] = {}  # each ready group's oldest sampled step, read once
         self.step = 0
         self.t0 = time.perf_counter()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -352,25 +353,29 @@ class _Run(Generic[S]):
         while True:
             while not self.queue.empty():
                 await self._admit(self.queue.get_nowait(), bar)
-            for entry in [e for e in self.ready if self._unfit(e[1]) == "stale"]:
+            for entry in [e for e in self.ready if self._stale(self.oldest[e[0]])]:
                 self.ready.remove(entry)
                 await self._drop(entry[0], "stale", bar)
             if len(self.ready) >= n and not self._worth_waiting(n):
-                self.ready.sort(key=lambda e: oldest_step(e[1]) or 0)
-                batch, self.ready = self.ready[:n], self.ready[n:]
-                await self._release(len(batch))
-                return batch
+                self.ready.sort(key=lambda e: self.oldest[e[0]] or 0)
+                return await self._take(self.ready[:n])
             if self.exhausted and self.queue.empty() and not self.rolling:
-                batch, self.ready = self.ready, []  # the scenarios ran out: train what there is
-                await self._release(len(batch))
-                return batch or None
+                return await self._take(self.ready) or None  # the scenarios ran out: what there is
             await self._admit(await self.queue.get(), bar)
+
+    async def _take(self, batch: list[tuple[str, TrajectoryGroup]]) -> list[tuple[str, TrajectoryGroup]]:
+        taken = {gid for gid, _ in batch}
+        self.ready = [e for e in self.ready if e[0] not in taken]
+        for gid in taken:
+            del self.oldest[gid]
+        await self._release(len(batch))
+        return batch
 
     def _worth_waiting(self, n: int) -> bool:
         """Whether a group still rolling would be stale after this step and could take a place in
         it that a younger group would otherwise take."""
         edge = self.step - self.cfg.max_steps_off_policy
-        urgent_ready = sum(1 for _, g in self.ready if (oldest_step(g) or 0) <= edge)
+        urgent_ready = sum(1 for gid, _ in self.ready if (self.oldest[gid] or 0) <= edge)
         urgent_rolling = sum(c for s, c in self.rolling_starts.items() if s <= edge)
         return urgent_ready < n and urgent_rolling > 0
 
@@ -386,23 +391,28 @@ class _Run(Generic[S]):
                 self.cfg.max_exceptions,
                 [g for _, g in self.ready] + [group],
             )
-        why = self._unfit(group)
+        oldest = oldest_step(group)
+        why = self._unfit(group, oldest)
         if why is not None:
             await self._drop(gid, why, bar)
         else:
             self.ready.append((gid, group))
+            self.oldest[gid] = oldest
 
     async def _drop(self, gid: str, why: Literal["stale", "zero"], bar: _Bar) -> None:
+        self.oldest.pop(gid, None)
         await self._release(1)
         self.counts[why] += 1
         self.journal.settle([gid], why, self.step)
         self._show(bar)
 
-    def _unfit(self, group: TrajectoryGroup) -> Literal["stale", "zero"] | None:
+    def _stale(self, oldest: int | None) -> bool:
+        return oldest is not None and self.step - oldest > self.cfg.max_steps_off_policy
+
+    def _unfit(self, group: TrajectoryGroup, oldest: int | None) -> Literal["stale", "zero"] | None:
         if not group.trajectories:
             return "zero"
-        oldest = oldest_step(group)
-        if oldest is not None and self.step - oldest > self.cfg.max_steps_off_policy:
+        if self._stale(oldest):
             return "stale"
         rewards = group.rewards()
         spread = max(rewards) - min(rewards)
