@@ -474,10 +474,10 @@ async def test_langfuse_scores_become_the_outcomes_of_their_episodes(
                 lf.create_score(name="human", value=value, trace_id=tid)
         lf.flush()
 
-        sync = await report_scored_outcomes(model, score="human", **keys)
+        sync = await report_scored_outcomes(model.report_outcome, score="human", **keys)
         assert (sync.traces, sync.reported, sync.duplicates) == (5, 2, 0), sync
         assert sync.skipped == {"no score": 1, "not a live episode": 1, "no episode id": 1}
-        again = await report_scored_outcomes(model, score="human", **keys)
+        again = await report_scored_outcomes(model.report_outcome, score="human", **keys)
         assert (again.reported, again.duplicates) == (0, 2), again
     finally:
         r.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -557,9 +558,8 @@ def live_langfuse(
     async def once(backend: Any, m: ModelConfig) -> Any:
         from journeyman.integrations.langfuse import report_scored_outcomes
 
-        served = _Served(backend, m)
         return await report_scored_outcomes(
-            served,
+            functools.partial(backend.report_outcome, m),
             q,
             episode_from=episode_from,
             group_from=group_from,
@@ -578,18 +578,6 @@ def live_langfuse(
         if every <= 0:
             return
         time.sleep(every)
-
-
-class _Served:
-    """A served model reached through a backend by name: what `report_scored_outcomes` reports to."""
-
-    def __init__(self, backend: Any, model: ModelConfig) -> None:
-        self.backend, self.model = backend, model
-
-    async def report_outcome(
-        self, episode_id: str, reward: float, *, metrics: Any = None, group: str | None = None
-    ) -> Any:
-        return await self.backend.report_outcome(self.model, episode_id, reward, metrics, group)
 
 
 def _status_text(s: LiveStatus) -> str:

@@ -381,7 +381,6 @@ def scored_traces(
 
 def _fetch(q: ReviewQuery, api: LangfuseAPI, progress: bool, concurrency: int) -> ReviewSet:
     roots, scores, rewards, skipped = scored_traces(q, api)
-    trace_ids = list(roots)
 
     # 3. every observation of each scored trace, with our payloads unabridged
     expand = ",".join(dict.fromkeys([_wire.META_KEY, *([q.group_by] if isinstance(q.group_by, str) else [])]))
@@ -463,7 +462,7 @@ def _fetch(q: ReviewQuery, api: LangfuseAPI, progress: bool, concurrency: int) -
             n,
         )
     return ReviewSet(
-        groups=groups, traces=len(trace_ids), trajectories=n, retokenized=retok, skipped=dict(skipped)
+        groups=groups, traces=len(roots), trajectories=n, retokenized=retok, skipped=dict(skipped)
     )
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
@@ -30,17 +30,8 @@ if TYPE_CHECKING:
 ROOT_FIELDS = "core,basic,trace_context"
 
 
-class ReportsOutcomes(Protocol):
-    """What outcomes are reported to: a `TrainableModel` (or anything with its `report_outcome`)."""
-
-    async def report_outcome(
-        self,
-        episode_id: str,
-        reward: float,
-        *,
-        metrics: Mapping[str, float] | None = None,
-        group: str | None = None,
-    ) -> OutcomeReceipt: ...
+ReportOutcome = Callable[..., Awaitable["OutcomeReceipt"]]
+"""`model.report_outcome` (episode id, reward, metrics=, group=), or a backend's bound to a model."""
 
 
 class OutcomeSync(BaseModel):
@@ -77,7 +68,7 @@ def _why(e: InvalidFieldError) -> str:
 
 
 async def report_scored_outcomes(
-    model: ReportsOutcomes,
+    report: ReportOutcome,
     query: ReviewQuery | None = None,
     *,
     episode_from: str = "session_id",
@@ -88,7 +79,8 @@ async def report_scored_outcomes(
     host: str | None = None,
     **filters: Any,
 ) -> OutcomeSync:
-    """Report the scored traces `query` matches as outcomes of `model`'s live episodes.
+    """Report the scored traces `query` matches as live outcomes, through `report` (a model's
+    `report_outcome`: `await report_scored_outcomes(model.report_outcome, score="human")`).
 
     `query` (or its fields as keywords: `score="human", score_source="ANNOTATION"`) says which
     traces and which scores, as for `fetch_review_set`; the reward is the scores combined. The
@@ -114,7 +106,7 @@ async def report_scored_outcomes(
         metrics = {f"langfuse/{s.name}": s.value for s in scores[tid] if s.value is not None}
         group = None if group_from is None else _pick(roots[tid], group_from)
         try:
-            receipt = await model.report_outcome(episode, reward, metrics=metrics, group=group)
+            receipt = await report(episode, reward, metrics=metrics, group=group)
         except InvalidFieldError as e:
             counts[_why(e)] += 1
             continue
