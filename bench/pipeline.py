@@ -5,7 +5,10 @@ The task is the demo's (short on-topic answers, the embedded SmolLM2-135M on the
 agent's: each rollout calls its environment `--tool-calls` times, each call taking 0.5-2 s (seeded),
 as a web API would, around its model call. Both runs start from the base model, see the same
 scenarios in the same order and train the same number of steps with the same settings
-(`PipelineConfig().train`: tis_cap=2.0, so both use the same loss); only the schedule differs.
+(`PipelineConfig().train`: tis_cap=2.0, so both use the same loss) and fill a step the same way:
+by default with groups whose rewards differ, as the pipeline does (DAPO's dynamic sampling: the
+synchronous loop rolls a replacement wave for the groups of a wave that had no reward spread), or
+with every group (`--keep-zero-variance`, both). Only the schedule differs.
 
     uv run python bench/pipeline.py                  # slow tools
     uv run python bench/pipeline.py --tool-calls 0   # fast tools: where the pipeline's time goes
@@ -27,6 +30,8 @@ import journeyman as jm
 from journeyman.app import tasks
 from journeyman.app.demo import evaluate
 from journeyman.client.pipeline import RolloutFn
+
+MAX_WAVES = 4  # the synchronous loop's replacement waves per step, at most
 
 
 def make_rollout(tool_calls: int, seed: int, max_tokens: int) -> RolloutFn[tasks.Scenario]:
@@ -53,18 +58,30 @@ async def synchronous(
 ) -> tuple[float, list[tuple[str, float, float]]]:
     config = jm.PipelineConfig().train.model_copy(update={"learning_rate": args.lr})
     spans: list[tuple[str, float, float]] = []
+    stream = itertools.cycle(scenarios)  # the pipeline's order, replacements included
+    rolled = 0
     t0 = time.perf_counter()
-    for step in range(args.steps):
-        batch = scenarios[step * args.groups : (step + 1) * args.groups]
+    for _ in range(args.steps):
+        groups: list[jm.TrajectoryGroup] = []
+        wave: list[jm.TrajectoryGroup] = []
+        waves = 0
         r0 = time.perf_counter() - t0
-        groups = await jm.gather_trajectory_groups(
-            (jm.TrajectoryGroup(rollout(model, s) for _ in range(args.group_size)) for s in batch),
-            pbar_desc=None,
-        )
+        while len(groups) < args.groups and waves < MAX_WAVES:
+            wave = await jm.gather_trajectory_groups(
+                (
+                    jm.TrajectoryGroup(rollout(model, s) for _ in range(args.group_size))
+                    for s in itertools.islice(stream, args.groups - len(groups))
+                ),
+                pbar_desc=None,
+            )
+            waves += 1
+            rolled += len(wave)
+            groups += [g for g in wave if args.keep_zero_variance or g.has_signal(config.min_reward_spread)]
         r1 = time.perf_counter() - t0
         spans.append(("rollout", r0, r1))
-        await model.train(groups, config)
+        await model.train(groups or wave, config)  # no wave had signal: a skipped step, as it comes
         spans.append(("train", r1, time.perf_counter() - t0))
+    print(f"sync: {rolled} groups rolled for {args.steps * args.groups} places", flush=True)
     return time.perf_counter() - t0, spans
 
 
@@ -182,7 +199,7 @@ if __name__ == "__main__":
     p.add_argument(
         "--keep-zero-variance",
         action="store_true",
-        help="the pipeline trains groups without reward spread too, as the synchronous loop does",
+        help="both loops train groups without reward spread too (default: both replace them)",
     )
     p.add_argument(
         "--engine-threads",

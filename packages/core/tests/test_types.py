@@ -43,6 +43,17 @@ def test_non_finite_reward_is_a_named_error_and_keeps_the_old_value(bad: float) 
     assert traj.reward == 1.0
 
 
+def test_a_group_has_signal_only_when_its_rewards_differ_by_the_spread_asked() -> None:
+    def group(*rewards: float) -> jm.TrajectoryGroup:
+        return jm.TrajectoryGroup(
+            jm.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}], reward=r) for r in rewards
+        )
+
+    assert not group(1.0, 1.0, 1.0).has_signal() and not group(0.5).has_signal()
+    assert group(0.0, 1.0).has_signal() and group(0.0, 1.0).has_signal(min_spread=1.0)
+    assert not group(0.0, 0.1).has_signal(min_spread=0.2)
+
+
 def test_empty_group_is_a_named_error() -> None:
     with pytest.raises(jm.EmptyGroupError) as e:
         jm.TrajectoryGroup([])

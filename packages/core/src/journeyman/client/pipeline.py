@@ -414,9 +414,7 @@ class _Run(Generic[S]):
             return "zero"
         if self._stale(oldest):
             return "stale"
-        rewards = group.rewards()
-        spread = max(rewards) - min(rewards)
-        if self.cfg.skip_zero_variance and (spread == 0 or spread < self.cfg.train.min_reward_spread):
+        if self.cfg.skip_zero_variance and not group.has_signal(self.cfg.train.min_reward_spread):
             return "zero"
         return None
 

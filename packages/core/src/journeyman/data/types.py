@@ -305,6 +305,13 @@ class TrajectoryGroup(BaseModel):
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
 
+    def has_signal(self, min_spread: float = 0.0) -> bool:
+        """Whether the rewards differ (by at least `min_spread`): a group whose rollouts all scored
+        alike has no group-relative advantage to learn from (DAPO's dynamic sampling drops it)."""
+        rewards = self.rewards()
+        spread = max(rewards) - min(rewards) if rewards else 0.0
+        return spread > 0 and spread >= min_spread
+
     def errored(self) -> list[Trajectory]:
         """The trajectories of runs that raised and were kept (`error` set); they train as the others."""
         return [t for t in self.trajectories if t.error is not None]
