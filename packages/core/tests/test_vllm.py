@@ -481,3 +481,62 @@ async def test_a_stream_through_vllm_sends_tokens_as_they_come(vllm_served) -> N
     assert "".join(deltas) == whole.choices[0].message.content
     assert record is not None and record["token_ids"] == jm.record_of(whole.choices[0]).token_ids
     assert record["logprobs"] == pytest.approx(jm.record_of(whole.choices[0]).logprobs, abs=1e-4)
+
+
+async def test_live_training_samples_its_candidate_beside_the_promoted_step_on_vllm(vllm_served) -> None:
+    """The canary on vLLM: a live candidate is a second LoRA in the same server; a share of episodes
+    (by id) is sampled by it, stamped with its step, token-exact against the trainer at that step;
+    when the canary wins, the candidate is promoted and served to everyone. Last in the file: live
+    training then decides what this model serves."""
+    model, backend = vllm_served
+    engine = backend.service(model).engine
+    assert isinstance(engine, VLLMEngine)
+    p0 = await model.get_step()
+    gate = jm.GateConfig(canary_share=0.5, canary_episodes=2, rollback_episodes=1000)
+    await model.live(jm.LiveConfig(episodes_per_step=4, settle_s=0.2, gate=gate))
+    run = backend.service(model).live
+    client = model.openai_client()
+
+    async def episode(i: int) -> tuple[str, ChatCompletion]:
+        eid = f"vllm-canary-{i}"
+        with model.episode(eid):
+            out = await client.chat.completions.create(
+                model=model.name, messages=[{"role": "user", "content": f"Add item {i}."}], max_tokens=8
+            )
+        return eid, out
+
+    try:
+        for i in range(4):  # rewards that differ: a candidate trains from the promoted step
+            eid, _ = await episode(i)
+            await model.report_outcome(eid, float(i % 2))
+        deadline = time.monotonic() + 300
+        while run.candidate is None:
+            assert time.monotonic() < deadline, "no candidate trained"
+            await asyncio.sleep(0.1)
+        c = run.candidate
+        assert run.parents[c] == p0 and engine.served_model == f"policy@{p0}"
+        canary: list[ChatCompletion] = []
+        i = 4
+        while run.candidate == c:  # the canary wins every episode: promoted
+            assert i < 200, "the gate never decided"
+            eid, out = await episode(i)
+            step = int(out.model.rsplit("@", 1)[1])
+            rec = jm.record_of(out.choices[0])
+            assert rec is not None and rec.step == step in (p0, c)
+            if step == c:
+                canary.append(out)
+            await model.report_outcome(eid, 1.0 if step == c else 0.0)
+            i += 1
+        while run.busy is not None and not run.busy.done():
+            await asyncio.sleep(0.1)
+        assert run.promoted == c and await model.get_step() == c and engine.served_model == f"policy@{c}"
+        assert canary, "no episode was routed to the candidate"
+        # what vLLM sampled with the candidate beside the promoted step is the trainer's step c
+        policy = backend.service(model).policy
+        rec = jm.record_of(canary[0].choices[0])
+        assert rec is not None
+        gap = max_diff(policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids), rec.logprobs)
+        assert gap < 1e-3, gap
+        print(f"\nvLLM canary: {len(canary)} of {i - 4} episodes on step {c}; |vLLM - trainer| {gap:.1e}")
+    finally:
+        await model.live(jm.LiveConfig(enabled=False))

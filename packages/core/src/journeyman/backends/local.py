@@ -844,7 +844,7 @@ class LocalBackend:
             raise InvalidFieldError(
                 "config.gate.canary_share",
                 config.gate.canary_share,
-                "this engine serves one step at a time (vLLM): a candidate cannot be "
+                "this engine serves one step at a time: a candidate cannot be "
                 "sampled beside the promoted step; set canary_share=0, no evaluate, and decide by command",
             )
         live_dir = self.run_dir(model) / "live"

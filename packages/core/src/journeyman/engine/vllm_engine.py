@@ -8,7 +8,9 @@ vLLM sampled and scored — no detokenize/retokenize round trip. vLLM's logprobs
 `--logprobs-mode raw_logprobs` to pin that).
 
 Each training step is served under its own LoRA name (`policy@<step>`): requests already running
-finish on the adapter they started with, and vLLM's prefix cache never mixes two steps' weights.
+finish on the adapter they started with, and vLLM's prefix cache never mixes two steps' weights. A
+request may name another checkpoint (`SamplingParams.adapter`, live training's candidate beside the
+promoted step): it is registered under its step's name on first use and sampled in the same batches.
 
 A server that exits on its own (a crash, the OOM killer) is noticed at once by its supervisor
 thread: the requests it held fail with `EngineDownError` (the endpoint's 503, which `gather` counts
@@ -71,6 +73,8 @@ class _Refused(Exception):
 class VLLMEngine(Engine):
     """Samples through a vLLM OpenAI server that this engine starts, supervises and stops."""
 
+    serves_other_steps = True  # vLLM batches requests for several LoRAs together
+
     def __init__(
         self,
         model_dir: Path,
@@ -92,6 +96,8 @@ class VLLMEngine(Engine):
         self.adapter_load_seconds: list[float] = []
         self._served = 0
         self._adapters: list[str] = []  # LoRA names registered in vLLM, oldest first
+        # steps served beside them (`SamplingParams.adapter`), oldest first: set once registered
+        self._side: dict[str, threading.Event] = {}
         # httpx clients are bound to the event loop they were first used on; the endpoint's server
         # thread and the caller's loop (training, tests) each get their own.
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
@@ -208,6 +214,7 @@ class VLLMEngine(Engine):
             self.server.restart()
             self._clients.clear()  # bound to the old server's connections (and maybe its port)
             self._adapters.clear()
+            self._side.clear()  # registered again on their next request
             self._asleep, self._wake_error, self._released = False, None, None
             self._woken.clear()
             if self._served_adapter is not None:
@@ -232,8 +239,14 @@ class VLLMEngine(Engine):
 
     def request_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
         """The `/v1/completions` body for one prompt (fields as vLLM 0.32's CompletionRequest names them)."""
+        if params.base:
+            model = _BASE_NAME  # vLLM serves the base by its name
+        elif params.adapter is not None:
+            model = f"{_BASE_NAME}@{params.adapter_step}"
+        else:
+            model = self.served_model
         body: dict[str, Any] = {
-            "model": _BASE_NAME if params.base else self.served_model,  # vLLM serves the base by its name
+            "model": model,
             "prompt": prompt_ids,  # token ids: vLLM does not tokenize, so no BOS/whitespace drift
             "n": params.n,
             "temperature": params.temperature,
@@ -263,6 +276,8 @@ class VLLMEngine(Engine):
             await asyncio.to_thread(self._awake.wait)
         if self._wake_error is not None:
             raise EngineDownError(f"completion: vLLM did not wake: {self._wake_error}")
+        if params.adapter is not None:
+            await self._beside(Path(params.adapter), params.adapter_step or 0)
         body = self.request_body(prompt_ids, params)
         try:
             if on_token is None:
@@ -387,14 +402,8 @@ class VLLMEngine(Engine):
         async with httpx.AsyncClient(
             base_url=self.server.base_url, headers=self.server.headers, timeout=timeout
         ) as c:
-            # vLLM's LoadLoRAAdapterRequest {lora_name, lora_path, load_inplace}: in place when the
-            # name is registered already (a wake that loads the served step's adapter again)
-            body = {"lora_name": name, "lora_path": str(path), "load_inplace": name in self._adapters}
-            resp = await c.post("/v1/load_lora_adapter", json=body)
-            if resp.status_code != 200:
-                raise VLLMRequestError(
-                    f"load_lora_adapter {name} from {path}: {resp.status_code}: {resp.text[:2000]}"
-                )
+            await self._register(c, name, path)
+            self._side.pop(name, None)  # a step served beside, now the served one (a promoted candidate)
             if name in self._adapters:
                 self._adapters.remove(name)
             self._adapters.append(name)
@@ -409,6 +418,48 @@ class VLLMEngine(Engine):
         seconds = time.perf_counter() - t0
         self.adapter_load_seconds.append(seconds)
         log.info("vLLM serves step %d (adapter %s) after a %.3f s load", step, path, seconds)
+
+    async def _register(self, c: httpx.AsyncClient, name: str, path: Path) -> None:
+        """Load the adapter at `path` under `name`. vLLM's LoadLoRAAdapterRequest {lora_name,
+        lora_path, load_inplace}: in place when the name may be registered already (a wake that loads
+        the served step's adapter again, a candidate promoted, two first requests for one side step)."""
+        inplace = name in self._adapters or name in self._side
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": inplace}
+        resp = await c.post("/v1/load_lora_adapter", json=body)
+        if resp.status_code != 200:
+            raise VLLMRequestError(
+                f"load_lora_adapter {name} from {path}: {resp.status_code}: {resp.text[:2000]}"
+            )
+
+    async def _beside(self, path: Path, step: int) -> None:
+        """Register the checkpoint a request names (a step served beside the current one) on its first
+        request, which the requests for it meanwhile wait for; the newest two such steps stay registered."""
+        name = f"{_BASE_NAME}@{step}"
+        if name in self._adapters:
+            return
+        loaded = self._side.get(name)
+        if loaded is not None:  # registered, or another request is registering it
+            if not await asyncio.to_thread(loaded.wait, self.config.request_timeout_s):
+                raise VLLMRequestError(f"load adapter of step {step}: timed out waiting for its load")
+            if name in self._side:
+                return
+            raise VLLMRequestError(f"load adapter of step {step} failed (see the request that loaded it)")
+        if self._down is not None:
+            raise EngineDownError(f"load adapter of step {step}: {self._down}")
+        self._side[name] = loaded = threading.Event()
+        try:
+            await self._register(self._client(), name, path.resolve())
+        except BaseException:
+            self._side.pop(name, None)
+            raise
+        finally:
+            loaded.set()
+        while len(self._side) > 2:
+            old = next(iter(self._side))
+            del self._side[old]
+            r = await self._client().post("/v1/unload_lora_adapter", json={"lora_name": old})
+            if r.status_code != 200:
+                log.warning("could not unload %s from vLLM: %s", old, r.text[:300])
 
     async def sleep(self) -> None:
         """Free the GPU for a training step: requests in flight finish (mode=wait), new ones wait;
