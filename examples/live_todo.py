@@ -6,9 +6,9 @@ through its OpenAI endpoint, each request marked as one episode (`model.episode(
 the server later, after a random delay (`--max-delay-s`), and for some episodes never
 (`--missing`). Nobody calls `train`: once `--episodes-per-step` scored episodes wait, a candidate
 trains in the background from the promoted step, the gate evaluates it on held-out tasks
-(`name@<candidate>` against the promoted step, greedy) while the users stay on the promoted step,
-and it is promoted only if it is not worse. A promoted step whose live rewards fall well below its
-parent's is rolled back.
+(`name@<candidate>`, greedy or at `--eval-temperature`) while the users stay on the promoted step,
+and it is promoted only if it is not worse than the best promoted step so far (`--against`). A
+promoted step whose live rewards fall well below its parent's is rolled back.
 
 `--poison-from A --poison-to B` inverts the rewards the users report between those fractions of
 the run (a broken reward pipeline): candidates trained on it should fail the gate, or the rollback
@@ -130,10 +130,13 @@ class Population:
         await self.model.report_outcome(eid, reward)
 
 
-def held_out_eval(model: jm.TrainableModel, tasks: list[Scenario]) -> Any:
-    async def evaluate(name: str) -> float:  # greedy, one request per task, on the step `name` names
-        # all at once: the engine runs them back to back after one drain of the users' rows
-        done = await asyncio.gather(*(attempt(model, s, name, 0.0) for s in tasks))
+def held_out_eval(model: jm.TrainableModel, tasks: list[Scenario], temperature: float, samples: int) -> Any:
+    async def evaluate(name: str) -> float:  # `samples` requests per task, on the step `name` names
+        # the same seeds for every step evaluated: the candidate and the step it is compared with
+        # draw alike wherever their policies agree, so the gate sees their difference, not the dice.
+        # All at once: the engine runs them back to back after one drain of the users' rows.
+        runs = [attempt(model, s, name, temperature, seed=k) for s in tasks for k in range(samples)]
+        done = await asyncio.gather(*runs)
         return sum(ok for ok, _ in done) / len(done)
 
     return evaluate
@@ -195,11 +198,13 @@ async def main(args: argparse.Namespace) -> None:
             gate=jm.GateConfig(
                 canary_share=0.0,
                 margin=args.margin,
+                against=args.against,
                 rollback_episodes=args.rollback_episodes,
                 rollback_drop=0.25,
             ),
         )
-        await model.live(config, evaluate=held_out_eval(model, held_out))
+        evaluate = held_out_eval(model, held_out, args.eval_temperature, args.eval_samples)
+        await model.live(config, evaluate=evaluate)
         users = Population(model, args, train)
         wall0 = time.time()  # the history's clock, at the users' start
         await asyncio.gather(*(users.user() for _ in range(args.users)))
@@ -260,6 +265,19 @@ def parse_args() -> argparse.Namespace:
         default=0.0,
         help="how much worse on the held-out tasks a candidate may score and pass",
     )
+    p.add_argument(
+        "--against",
+        choices=["promoted", "best"],
+        default="best",
+        help="the gate compares a candidate with the promoted step, or with the best promoted eval so far",
+    )
+    p.add_argument(
+        "--eval-temperature",
+        type=float,
+        default=0.0,
+        help="the gate's sampling temperature (the users' --temperature evaluates what they are served)",
+    )
+    p.add_argument("--eval-samples", type=int, default=1, help="the gate's requests per held-out task")
     p.add_argument("--window", type=int, default=32, help="episodes in the plotted rolling mean")
     p.add_argument("--final-wait-s", type=float, default=120.0)
     p.add_argument("--max-minutes", type=float, default=30.0, help="users stop starting episodes after this")
