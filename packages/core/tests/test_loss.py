@@ -72,7 +72,7 @@ def test_ppo_eps_high_and_mask_normalise_per_token() -> None:
         logp, old, torch.tensor([2.0]), mask, num_tokens=4, kind="ppo", eps=0.2, eps_high=0.28
     )
     # tokens: min(1.5, 1.28)*2 = 2.56 ; min(1.1, 1.1)*2 = 2.2 ; summed over the step's 4 tokens
-    assert float(loss) == pytest.approx(-(2.56 + 2.2) / 4)
+    assert loss.item() == pytest.approx(-(2.56 + 2.2) / 4)
 
 
 def test_cispo_keeps_gradient_through_clipped_tokens() -> None:
@@ -82,7 +82,7 @@ def test_cispo_keeps_gradient_through_clipped_tokens() -> None:
     )
     # -sg(min(r, 1.2)) * A * logp: weights 1.2 and 1.0; logp values -1+log1.5 and -1
     expected = -(1.2 * (-1 + math.log(1.5)) + 1.0 * -1.0) / 2
-    assert float(loss) == pytest.approx(expected)
+    assert loss.item() == pytest.approx(expected)
     loss.backward()
     assert logp.grad[0].tolist() == pytest.approx([-0.6, -0.5])  # the clipped token still learns
 
@@ -94,7 +94,7 @@ def test_gspo_uses_the_sequence_ratio_for_every_token() -> None:
         logp, old, torch.tensor([-1.0]), torch.ones(1, 2), num_tokens=2, kind="gspo", eps=3e-4, eps_high=4e-4
     )
     # A < 0: min(-s, -clip(s)) = -s (unclipped side is smaller) for both tokens
-    assert float(loss) == pytest.approx(seq)
+    assert loss.item() == pytest.approx(seq)
     loss.backward()
     assert logp.grad[0].tolist() == pytest.approx([seq / 2, seq / 2])
 
@@ -106,9 +106,9 @@ def test_k3_kl_and_tis_weight() -> None:
         logp, old, torch.tensor([0.0]), torch.ones(1, 1), num_tokens=1, ref_logp=ref, kl_coef=0.1
     )
     k3 = math.exp(0.5) - 0.5 - 1
-    assert m["kl"] == pytest.approx(k3) and float(loss) == pytest.approx(0.1 * k3)
+    assert m["kl"] == pytest.approx(k3) and loss.item() == pytest.approx(0.1 * k3)
     logp, old = _case([[0.0]])
     loss, _ = policy_loss(
         logp, old, torch.tensor([1.0]), torch.ones(1, 1), num_tokens=1, tis_weight=torch.tensor([[0.5]])
     )
-    assert float(loss) == pytest.approx(-0.5)
+    assert loss.item() == pytest.approx(-0.5)
