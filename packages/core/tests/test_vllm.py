@@ -76,6 +76,7 @@ def test_provisioning_without_a_reachable_index_says_how(
     """The one case the vLLM tests skip: no index answers. The error says so and how to provision by hand."""
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # a closed port: refused at once
     monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("UV_HTTP_RETRIES", "0")  # uv installs when at hand: no backoff either
     monkeypatch.setenv("PIP_TIMEOUT", "3")
     env_dir = tmp_path / "vllm-env"
     with pytest.raises(vllm_env.VLLMProvisionError) as e:
