@@ -242,7 +242,7 @@ class VLLMEngine(Engine):
         if params.base:
             model = _BASE_NAME  # vLLM serves the base by its name
         elif params.adapter is not None:
-            model = f"{_BASE_NAME}@{params.adapter_step}"
+            model = _lora_name(params.adapter_step or 0)
         else:
             model = self.served_model
         body: dict[str, Any] = {
@@ -276,9 +276,9 @@ class VLLMEngine(Engine):
             await asyncio.to_thread(self._awake.wait)
         if self._wake_error is not None:
             raise EngineDownError(f"completion: vLLM did not wake: {self._wake_error}")
-        if params.adapter is not None:
-            await self._beside(Path(params.adapter), params.adapter_step or 0)
         body = self.request_body(prompt_ids, params)
+        if params.adapter is not None:
+            await self._beside(Path(params.adapter), str(body["model"]))
         try:
             if on_token is None:
                 choices = (await self._post("/v1/completions", body, "completion")).json()["choices"]
@@ -396,7 +396,7 @@ class VLLMEngine(Engine):
         await self._load(path, step, self.config.request_timeout_s)
 
     async def _load(self, path: Path, step: int, timeout: float) -> None:
-        name = f"{_BASE_NAME}@{step}"
+        name = _lora_name(step)
         t0 = time.perf_counter()
         # A fresh client: this runs on whatever loop the trainer uses, possibly a short-lived one.
         async with httpx.AsyncClient(
@@ -431,21 +431,20 @@ class VLLMEngine(Engine):
                 f"load_lora_adapter {name} from {path}: {resp.status_code}: {resp.text[:2000]}"
             )
 
-    async def _beside(self, path: Path, step: int) -> None:
-        """Register the checkpoint a request names (a step served beside the current one) on its first
-        request, which the requests for it meanwhile wait for; the newest two such steps stay registered."""
-        name = f"{_BASE_NAME}@{step}"
+    async def _beside(self, path: Path, name: str) -> None:
+        """Register the checkpoint a request names (a step served beside the current one) as `name` on
+        its first request, which the requests for it meanwhile wait for; the newest two stay registered."""
         if name in self._adapters:
             return
         loaded = self._side.get(name)
         if loaded is not None:  # registered, or another request is registering it
             if not await asyncio.to_thread(loaded.wait, self.config.request_timeout_s):
-                raise VLLMRequestError(f"load adapter of step {step}: timed out waiting for its load")
+                raise VLLMRequestError(f"load adapter {name}: timed out waiting for its load")
             if name in self._side:
                 return
-            raise VLLMRequestError(f"load adapter of step {step} failed (see the request that loaded it)")
+            raise VLLMRequestError(f"load adapter {name} failed (see the request that loaded it)")
         if self._down is not None:
-            raise EngineDownError(f"load adapter of step {step}: {self._down}")
+            raise EngineDownError(f"load adapter {name}: {self._down}")
         self._side[name] = loaded = threading.Event()
         try:
             await self._register(self._client(), name, path.resolve())
@@ -606,6 +605,11 @@ class VLLMEngine(Engine):
         self._awake.set()
         # Clients bound to other loops cannot be awaited here; drop them (the server is gone anyway).
         self._clients.clear()
+
+
+def _lora_name(step: int) -> str:
+    """The name vLLM serves a step's adapter under (the base model is `_BASE_NAME` alone)."""
+    return f"{_BASE_NAME}@{step}"
 
 
 def _index(choice: dict[str, Any]) -> int:
