@@ -518,7 +518,7 @@ def section_wide(ck: Check, layers: int) -> None:
 
 def section_checkpointing(ck: Check, layers: int) -> None:
     import long_rows  # bench/, on sys.path as this script's folder
-    from journeyman.backends.plan import Layout, TrainingSetup, plan_memory
+    from journeyman.backends.memory_plan import Layout, TrainingSetup, plan_memory
 
     path = ck.wide_dir(layers)
     config = json.loads((path / "config.json").read_text())

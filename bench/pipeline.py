@@ -29,7 +29,7 @@ from pathlib import Path
 import journeyman as jm
 from journeyman.app import tasks
 from journeyman.app.demo import evaluate
-from journeyman.client.pipeline import RolloutFn
+from journeyman.client.pipeline_trainer import RolloutFn
 
 MAX_WAVES = 4  # the synchronous loop's replacement waves per step, at most
 

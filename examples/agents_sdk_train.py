@@ -25,7 +25,7 @@ from pathlib import Path
 import journeyman as jm
 from agents import Agent, ModelSettings, function_tool, handoff
 from agents.extensions import handoff_filters
-from journeyman.adapters import plot_history
+from journeyman.integrations import plot_history
 from journeyman_agents import TrainableRunner
 from todo_task import (
     EPISODE,

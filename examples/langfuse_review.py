@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 import journeyman as jm
-from journeyman.adapters import TRACE_ID_KEY, export_to_langfuse, fetch_review_set, tasks
+from journeyman.integrations import TRACE_ID_KEY, export_to_langfuse, fetch_review_set, tasks
 
 
 async def export_run(

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import journeyman as jm
-from journeyman.adapters import plot_history
+from journeyman.integrations import plot_history
 from journeyman_langgraph import chat_model, trainable, trajectory
 from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse

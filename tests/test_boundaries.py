@@ -1,7 +1,7 @@
 """Import boundaries of the workspace, read from the source trees with `ast` (nothing is imported).
 
 - Adapters use only core's two faces: names in the `__all__` of `journeyman` or of
-  `journeyman.adapters` (the seam made for them). Core's layer modules may move; those names do not.
+  `journeyman.integrations` (the seam made for them). Core's layer modules may move; those names do not.
 - Core never imports an adapter; adapters never import each other.
 - Core's modules form no import cycle, counting imports under `if TYPE_CHECKING:` and inside
   functions: such a cycle works today only because of where the import sits, and turns into an
@@ -30,7 +30,7 @@ SOURCES = {
     "journeyman_agents": ROOT / "packages" / "agents-sdk" / "src" / "journeyman_agents",
 }
 ADAPTERS = sorted(set(SOURCES) - {CORE})
-ADAPTER_FACES = ("journeyman", "journeyman.adapters")  # all an adapter may import from core
+ADAPTER_FACES = ("journeyman", "journeyman.integrations")  # all an adapter may import from core
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,7 @@ def test_adapters_import_only_public_core_names() -> None:
 def test_the_surface_check_catches_layer_imports_planted_in_an_adapter() -> None:
     planted = (
         "import journeyman as jm\n"
-        "from journeyman.adapters import Episode, join_calls\n"
+        "from journeyman.integrations import Episode, join_calls\n"
         "from journeyman.rollout.histories import join_calls\n"
         "import journeyman.data.failures\n"
         "jm.rollout.histories.join_calls\n"
@@ -238,9 +238,9 @@ def test_the_surface_check_catches_layer_imports_planted_in_an_adapter() -> None
     path = SOURCES["journeyman_mcp"] / "rollout.py"
     mod = Module("journeyman_mcp.rollout", path, False, ast.parse(planted))
     where = "packages/mcp/src/journeyman_mcp/rollout.py"
-    faces = "journeyman or journeyman.adapters"
+    faces = "journeyman or journeyman.integrations"
     assert sorted(module_surface_violations(mod)) == [
-        f"{where}:2: from journeyman.adapters import join_calls: 'join_calls' is not in journeyman.adapters.__all__",
+        f"{where}:2: from journeyman.integrations import join_calls: 'join_calls' is not in journeyman.integrations.__all__",
         f"{where}:3: from journeyman.rollout.histories import join_calls: journeyman.rollout.histories is not one of {faces}",
         f"{where}:4: import journeyman.data.failures: journeyman.data.failures is not one of {faces}",
         f"{where}:5: jm.rollout: 'rollout' is not in journeyman.__all__",
@@ -359,7 +359,7 @@ def test_core_has_no_import_cycle() -> None:
 
 # Core's layers, bottom to top: a module imports only its own layer and those below (anywhere in
 # the file, functions and TYPE_CHECKING included). The package faces (`journeyman`, the adapters'
-# seam `journeyman.adapters`) sit above them all; only the app layer (the CLI) reaches up to one.
+# seam `journeyman.integrations`) sit above them all; only the app layer (the CLI) reaches up to one.
 LAYERS = (
     ("errors", "_extras"),
     ("chat",),
@@ -375,7 +375,7 @@ LAYERS = (
     ("app",),
     ("art",),  # ART's API over Journeyman's (docs/migrating-from-art.md): above the app, it may use the faces
 )
-FACES = ("journeyman", "journeyman.adapters")
+FACES = ("journeyman", "journeyman.integrations", "journeyman.adapters")  # the last: the old name of the seam
 # `journeyman.art.langgraph` is ART's `art.langgraph`: it hands over to the LangGraph adapter, imported when
 # called (an optional install, named in the ImportError), the one import of an adapter core makes.
 COMPAT_ADAPTER_IMPORTS = {("journeyman.art.langgraph", "journeyman_langgraph")}

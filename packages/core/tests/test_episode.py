@@ -10,7 +10,7 @@ from typing import Any
 
 import journeyman as jm
 import pytest
-from journeyman.adapters import Episode, EpisodeCall
+from journeyman.integrations import Episode, EpisodeCall
 from journeyman.rollout.capture import current_capture_id
 from openai.types.chat.chat_completion import Choice
 
@@ -231,7 +231,7 @@ def test_bad_on_error_and_error_reward_are_refused_by_field() -> None:
 
 def test_the_adapters_face_resolves_every_name_and_stays_light() -> None:
     code = (
-        "import sys, journeyman.adapters as a\n"
+        "import sys, journeyman.integrations as a\n"
         "heavy = sorted({'torch', 'transformers', 'fastapi', 'matplotlib'} & set(sys.modules))\n"
         "assert not heavy, heavy\n"
         "missing = [n for n in a.__all__ if getattr(a, n, None) is None]\n"

@@ -83,7 +83,7 @@ import json, sys, threading
 before = threading.active_count()
 import journeyman
 from journeyman import RemoteBackend, TrainableModel, gather_trajectory_groups, read_trajectories, ruler_score_group
-import journeyman.adapters
+import journeyman.integrations
 threads = [before, threading.active_count()]
 heavy = sorted(m for m in HEAVY if m in sys.modules)
 upper = sorted(m for m in sys.modules if m.startswith("journeyman.") and m.split(".")[1] in TRAINER_LAYERS)
@@ -98,7 +98,7 @@ TRAINER_LAYERS = ("policy", "engine", "training", "serving", "backends", "app")
 
 
 def test_import_is_light(tmp_path: Path) -> None:
-    """`import journeyman`, the light client's names and `journeyman.adapters` load no library of
+    """`import journeyman`, the light client's names and `journeyman.integrations` load no library of
     the backend extra and no module of the layers that train; engines, the trainer and the HTTP
     server load when a backend first serves a model."""
     probe = f"HEAVY = {HEAVY!r}\nTRAINER_LAYERS = {TRAINER_LAYERS!r}\n{_PROBE}"

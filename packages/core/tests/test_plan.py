@@ -1,4 +1,4 @@
-"""The memory plan (`journeyman.backends.plan`) on the real shapes of the models users train: weights
+"""The memory plan (`journeyman.backends.memory_plan`) on the real shapes of the models users train: weights
 equal to their checkpoints' sizes, the layouts that fit one 80 GiB GPU or a node of eight accepted,
 the ones that cannot refused with the change that would fit, and the activation formula against the
 bytes autograd really keeps on a small model. No model is loaded; no GPU is needed."""
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from journeyman.app.cli import app
-from journeyman.backends.plan import (
+from journeyman.backends.memory_plan import (
     PRESETS,
     Layout,
     MemoryPlan,

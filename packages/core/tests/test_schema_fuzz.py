@@ -14,8 +14,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from journeyman.backends.server import create_app
+from journeyman.serving.api_tokens import TOKENS_FILE, TokenBook
 from journeyman.serving.guard import Guard
-from journeyman.serving.tokens import TOKENS_FILE, TokenBook
 from schemathesis.core.result import Ok
 from schemathesis.schemas import APIOperation
 

@@ -17,9 +17,9 @@ import journeyman as jm
 import pytest
 from journeyman.backends.server import ServerProcess, create_app
 from journeyman.client.wire import PREFIX
+from journeyman.serving.api_tokens import TOKENS_FILE, TokenBook
 from journeyman.serving.endpoint import ServerThread
 from journeyman.serving.guard import Guard, HeaderTimeoutH11, needed_scope
-from journeyman.serving.tokens import TOKENS_FILE, TokenBook
 
 ADMIN = "admin-secret-0123456789abcdef"
 LIMIT = 4096

@@ -240,9 +240,9 @@ def test_viewer_behind_serve_token(trained: _Run, chromium: str) -> None:
     """Under `journeyman serve` the same pages need a token of scope train: `?token=` once, then a cookie."""
     from journeyman.app.view.mount import add_viewer
     from journeyman.backends.server import create_app
+    from journeyman.serving.api_tokens import TokenBook
     from journeyman.serving.endpoint import ServerThread
     from journeyman.serving.guard import DEFAULT_MAX_BODY_BYTES, Guard
-    from journeyman.serving.tokens import TokenBook
     from playwright.sync_api import expect, sync_playwright
 
     book = TokenBook(

@@ -2,7 +2,7 @@
 
 Each call the endpoint served for a run is joined to the model-call span the SDK traced for it
 (see `_tracing`), which names the agent. The calls then form histories by core's one rule
-(`journeyman.adapters.Episode.join`), partitioned by agent: an agent's tool loop is one token sequence, and
+(`journeyman.integrations.Episode.join`), partitioned by agent: an agent's tool loop is one token sequence, and
 after a handoff the specialist has its own system prompt, so it gets its own history.
 
 The first trained history is the trajectory's main conversation; the others are additional
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from journeyman import CapturedCall, Trajectory
-from journeyman.adapters import Episode, assistant_key
+from journeyman.integrations import Episode, assistant_key
 
 from ._tracing import SpanInfo, agent_of
 

@@ -8,14 +8,14 @@ Per run:
   `Runner.run_streamed`) are served by the same provider and are part of the run: their calls are
   captured with the run's and each of their agents gets a history of its own, as an agent-as-tool's
   does (`_nested`). Runs elsewhere in the process are left as they are.
-- The run is an `Episode` (`journeyman.adapters`): the endpoint files each call it serves for this
+- The run is an `Episode` (`journeyman.integrations`): the endpoint files each call it serves for this
   run (with its exact token records) under the run's capture id. The id lives in a ContextVar, so
   concurrent runs (separate asyncio tasks) never share calls.
 - The run's trace is watched by the `SpanCollector` trace processor, which says which agent made
   each call. Calls and spans are joined per request into the trajectory (`_build`).
 - A run that raises (`MaxTurnsExceeded`, an output guardrail's tripwire, `ModelBehaviorError`) is
   still a trajectory of the calls made before the error, with `error` set and the exception object
-  itself on `error.exception`, under `on_error="score"` (the default; `journeyman.adapters.Episode`).
+  itself on `error.exception`, under `on_error="score"` (the default; `journeyman.integrations.Episode`).
   The SDK's `UserError` (a misconfigured agent) always re-raises.
 - An input guardrail's tripwire refuses the input, not an answer: the SDK cancels or discards the
   first turn it interrupts, and whether that turn's call had reached the endpoint (guardrails run in
@@ -37,7 +37,7 @@ from agents.result import RunResult, RunResultStreaming
 from agents.stream_events import StreamEvent
 from agents.tracing import gen_trace_id, get_current_trace
 from journeyman import RolloutException
-from journeyman.adapters import Episode, ErrorReward, OnError, check_on_error
+from journeyman.integrations import Episode, ErrorReward, OnError, check_on_error
 
 from ._build import fill_trajectory
 from ._nested import serving
@@ -133,7 +133,7 @@ class TrainableRunner:
     (a group counts it as dropped); `"raise"` re-raises. A run that left no call to train re-raises
     under "score" too, and an input guardrail's tripwire always leaves none (the SDK discards the
     turn it interrupts, so its call never counts, however the timing fell). Service failures and
-    the SDK's `UserError` always re-raise (`journeyman.adapters.Episode`).
+    the SDK's `UserError` always re-raise (`journeyman.integrations.Episode`).
     """
 
     def __init__(

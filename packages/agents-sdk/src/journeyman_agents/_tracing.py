@@ -35,7 +35,7 @@ from agents.tracing import (
     TurnSpanData,
     add_trace_processor,
 )
-from journeyman.adapters import assistant_key
+from journeyman.integrations import assistant_key
 
 
 @dataclass

@@ -12,7 +12,7 @@ from importlib import import_module as _import_module
 from typing import TYPE_CHECKING
 
 from journeyman.client.model import Capture, TrainableModel
-from journeyman.client.pipeline import PipelineConfig, PipelineResult, PipelineTrainer
+from journeyman.client.pipeline_trainer import PipelineConfig, PipelineResult, PipelineTrainer
 from journeyman.client.protocol import Backend, Inference, LiveBackend, current_backend
 from journeyman.client.remote import RemoteBackend
 from journeyman.data.config import (
@@ -25,7 +25,7 @@ from journeyman.data.config import (
     TrainResult,
 )
 from journeyman.data.failures import OnError
-from journeyman.data.live import GateConfig, LiveConfig, LiveStatus
+from journeyman.data.live_types import GateConfig, LiveConfig, LiveStatus
 from journeyman.data.trajectory_file import read_trajectories, write_trajectories
 from journeyman.data.types import (
     History,

@@ -81,7 +81,7 @@ class WakeMemoryError(JourneymanError, MemoryError):
 
 
 class ImpossiblePlanError(JourneymanError, ValueError):
-    """A configuration needs more memory than its GPUs have (`backends/plan.py`), refused before any
+    """A configuration needs more memory than its GPUs have (`backends/memory_plan.py`), refused before any
     weights load. The message names what does not fit and the changes that would; `.changes` lists
     them, `.needed` and `.available` are bytes of the busiest GPU (`.where`)."""
 

@@ -24,7 +24,7 @@ from uuid import UUID
 
 import httpx
 from journeyman import CAPTURE_HEADER, CapturedCall
-from journeyman.adapters import Episode
+from journeyman.integrations import Episode
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook

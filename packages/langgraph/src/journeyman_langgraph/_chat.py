@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 from journeyman import InvalidFieldError, TrainableModel
-from journeyman.adapters import CLIENT_TIMEOUT_S
+from journeyman.integrations import CLIENT_TIMEOUT_S
 from langchain_openai import ChatOpenAI
 from pydantic import SecretStr
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar, overload
 
 from journeyman import CapturedCall, InvalidFieldError, TrainableModel, Trajectory
-from journeyman.adapters import Episode, ErrorReward, OnError, check_on_error
+from journeyman.integrations import Episode, ErrorReward, OnError, check_on_error
 from langchain_core.language_models import BaseChatModel
 from langchain_core.runnables import Runnable, RunnableBinding
 
@@ -178,7 +178,7 @@ def trajectory(
     `RolloutDroppedError` (a group counts it as dropped); `"raise"` re-raises the exception. An
     episode that raised before any policy call left nothing to train and re-raises under "score"
     too. Service failures (endpoint unreachable, 5xx, timeouts) always re-raise
-    (`journeyman.adapters.Episode`).
+    (`journeyman.integrations.Episode`).
 
         t = await rollout(scenario)
         if t.error is not None and isinstance(t.error.exception, GraphRecursionError):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from journeyman.adapters import Fields, RunLayout, with_fields
+from journeyman.integrations import Fields, RunLayout, with_fields
 
 from .train import McpRlSettings  # the options are its fields (the package imports it anyway)
 

@@ -1,6 +1,6 @@
 """Who plays the held-out episodes: the trained policy, or a baseline to compare it with.
 
-A baseline is named like any other LLM in Journeyman (`journeyman.adapters.resolve_llm`: "local:<name>", an
+A baseline is named like any other LLM in Journeyman (`journeyman.integrations.resolve_llm`: "local:<name>", an
 OpenAI-compatible base URL with a model name, a LiteLLM id), plus two words of our own: "base" (the
 policy's own base model, i.e. step 0: the adapter off) and "none" (no comparison). Every player
 runs the same `rollout`, so the two sides of a comparison differ only in who answers.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import journeyman as jm
-from journeyman.adapters import DEFAULT_TIMEOUT_S, chat_client, resolve_llm
+from journeyman.integrations import DEFAULT_TIMEOUT_S, chat_client, resolve_llm
 
 BASE = "base"
 """`--against base`: the policy's base model (step 0), served by the policy's own engine."""

@@ -10,7 +10,7 @@ still ranks the group.
 from __future__ import annotations
 
 from journeyman import Backend, RulerConfig, TrajectoryGroup, ruler_score_group
-from journeyman.adapters import LLMSpec
+from journeyman.integrations import LLMSpec
 
 RUBRIC = """\
 - The agent was given a task and the tools of an MCP server. A trajectory that gets the task done \
@@ -34,7 +34,7 @@ async def score_group(
 ) -> TrajectoryGroup:
     """RULER over the group (unless `judge` is None/"none"), added to each rollout's own reward.
 
-    judge / judge_model: see `journeyman.adapters.resolve_llm` ("local", "local:<name>", a model, a base URL + model
+    judge / judge_model: see `journeyman.integrations.resolve_llm` ("local", "local:<name>", a model, a base URL + model
     name, a LiteLLM id). `config` defaults to `JUDGE_CONFIG`: short explanations and tool results,
     so that a small local judge stays fast.
     """

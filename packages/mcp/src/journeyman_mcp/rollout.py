@@ -2,7 +2,7 @@
 
 The policy sees the task, the server's tools and a `complete_task` tool. The loop holds every
 completion itself (the endpoint's exact token record rides on its Choice), so it `record`s each call
-on an `Episode` (`journeyman.adapters`), which joins them into the trajectory by core's one rule: a
+on an `Episode` (`journeyman.integrations`), which joins them into the trajectory by core's one rule: a
 tool loop is one history, anything that does not continue it (should the endpoint's splice ever
 fail) a history of its own, never silently merged. Tool results the model never read (those of its
 last turn) follow the main history, for the judge.
@@ -23,7 +23,7 @@ import json
 from typing import Any
 
 import journeyman as jm
-from journeyman.adapters import Episode, message_of_choice
+from journeyman.integrations import Episode, message_of_choice
 from openai import BadRequestError
 from pydantic import BaseModel, Field
 

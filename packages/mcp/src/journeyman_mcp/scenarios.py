@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from journeyman import Backend, InvalidFieldError
-from journeyman.adapters import DEFAULT_TIMEOUT_S, LLM, LLMSpec, complete_json, resolve_llm
+from journeyman.integrations import DEFAULT_TIMEOUT_S, LLM, LLMSpec, complete_json, resolve_llm
 from pydantic import BaseModel, Field
 
 from .server import ServerInfo
@@ -443,7 +443,7 @@ async def generate_scenarios(
 
     generator: "local" (the model the backend registered last), "local:<name>" or a TrainableModel,
         an OpenAI-compatible base URL (with `generator_model=`), or a LiteLLM model string; see
-        `journeyman.adapters.resolve_llm`. Local models are found on `backend` (the current backend when None).
+        `journeyman.integrations.resolve_llm`. Local models are found on `backend` (the current backend when None).
     with_checks: ask for `setup` calls and end-state `checks` too (see `CheckTools`); by default only
         a real generator (a URL or a LiteLLM id) is asked: the embedded model cannot write them.
     The generator is asked in batches; a generator that fails or writes junk costs nothing but

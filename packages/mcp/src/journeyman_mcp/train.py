@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import journeyman as jm
-from journeyman.adapters import RunLayout, plot_history
+from journeyman.integrations import RunLayout, plot_history
 from pydantic import BaseModel, Field, model_validator
 
 from .players import BASE, NONE, Player, policy_player, resolve_against

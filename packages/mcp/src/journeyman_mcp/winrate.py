@@ -19,7 +19,7 @@ from typing import Literal
 
 import journeyman as jm
 from journeyman import RulerConfig, ruler_score_group
-from journeyman.adapters import LLMSpec, spec_label
+from journeyman.integrations import LLMSpec, spec_label
 from pydantic import BaseModel, Field
 
 from .reward import JUDGE_CONFIG, RUBRIC

@@ -18,9 +18,9 @@ from journeyman.app.langfuse_cli import PublicKey as LangfusePublicKey
 from journeyman.app.langfuse_cli import SecretKey as LangfuseSecretKey
 from journeyman.app.langfuse_cli import app as langfuse_app
 from journeyman.app.options import Fields, with_fields
-from journeyman.backends.plan import PRESETS, Layout, TrainingSetup
+from journeyman.backends.memory_plan import PRESETS, Layout, TrainingSetup
 from journeyman.data.config import LoraConfig, ModelConfig, SFTConfig, TrainConfig, TrainerConfig
-from journeyman.data.live import LiveConfig, LiveStatus
+from journeyman.data.live_types import LiveConfig, LiveStatus
 from journeyman.data.paths import RunLayout, RunRoot
 
 app = typer.Typer(
@@ -305,7 +305,7 @@ def plan(
     """What each GPU will hold to train a model (weights, adapter, optimizer state, activations, KV
     cache) and whether it fits, worked out from its config.json before anything loads; exits 1 when
     it does not fit, naming what to change."""
-    from journeyman.backends.plan import plan_memory, preset_config
+    from journeyman.backends.memory_plan import plan_memory, preset_config
     from journeyman.errors import InvalidFieldError
 
     if (model_config is None) == (preset is None):
@@ -417,7 +417,7 @@ def token_add(
     path: _TOKEN_PATH = Path(".journeyman"),
 ) -> None:
     """Add a token and print its secret (shown once; the server keeps only its sha256)."""
-    from journeyman.serving.tokens import SCOPES, TokenBook
+    from journeyman.serving.api_tokens import SCOPES, TokenBook
 
     if scope not in SCOPES:
         raise typer.BadParameter(f"use one of {', '.join(SCOPES)}", param_hint="--scope")
@@ -429,7 +429,7 @@ def token_revoke(
     name: Annotated[str, typer.Argument(help="the token's name")], path: _TOKEN_PATH = Path(".journeyman")
 ) -> None:
     """Revoke a token: the next request that presents it gets a 401."""
-    from journeyman.serving.tokens import TokenBook
+    from journeyman.serving.api_tokens import TokenBook
 
     if not TokenBook(RunRoot(path).tokens).revoke(name):
         raise typer.BadParameter(f"no token named {name!r}", param_hint="name")
@@ -440,7 +440,7 @@ def token_list(path: _TOKEN_PATH = Path(".journeyman")) -> None:
     """The tokens in the file: name, scope, when added (never the secrets)."""
     import time
 
-    from journeyman.serving.tokens import TokenBook
+    from journeyman.serving.api_tokens import TokenBook
 
     for t in TokenBook(RunRoot(path).tokens).tokens():
         typer.echo(f"{t.name}\t{t.scope}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(t.created_at))}")

@@ -16,7 +16,7 @@ from journeyman.app import tasks
 from journeyman.app.plot import plot_history
 from journeyman.backends.local import LocalBackend
 from journeyman.client.model import TrainableModel
-from journeyman.client.pipeline import PipelineConfig, PipelineTrainer
+from journeyman.client.pipeline_trainer import PipelineConfig, PipelineTrainer
 from journeyman.client.protocol import Backend
 from journeyman.data.config import DEFAULT_BASE_MODEL, TrainConfig, TrainerConfig
 from journeyman.data.paths import RunLayout

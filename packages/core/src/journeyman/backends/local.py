@@ -22,7 +22,7 @@ from journeyman.client.operations import LOG, TRAIN, TRAIN_SFT
 from journeyman.client.protocol import Evaluate, Inference, Progress, named_or_latest
 from journeyman.client.wire import body_error
 from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainerConfig, TrainResult, check_name
-from journeyman.data.live import (
+from journeyman.data.live_types import (
     Decision,
     DecisionAction,
     EpisodeOutcome,
@@ -39,7 +39,7 @@ from journeyman.rollout.capture import CapturedCall
 from journeyman.rollout.observe import GroupContext, emit
 
 if TYPE_CHECKING:
-    from journeyman.backends.live import LiveRun
+    from journeyman.backends.live_training import LiveRun
     from journeyman.chat.formats import ChatFormat
     from journeyman.engine import Engine
     from journeyman.engine.vllm_server import VLLMConfig
@@ -434,12 +434,12 @@ class LocalBackend:
         )
 
     def _plan_memory(self, model: ModelConfig, weights: Path) -> None:
-        """Log what each GPU will hold (`backends/plan.py`, from the base's config.json and
+        """Log what each GPU will hold (`backends/memory_plan.py`, from the base's config.json and
         TrainConfig's defaults); on CUDA refuse, with ImpossiblePlanError naming what to change, a
         layout that cannot fit. On the CPU it is advice only: host memory is shared and paged."""
         import json
 
-        from journeyman.backends.plan import plan_for_backend
+        from journeyman.backends.memory_plan import plan_for_backend
 
         try:
             plan = plan_for_backend(
@@ -830,7 +830,7 @@ class LocalBackend:
 
     log = LOG.implemented_by(_log)  # with the arguments' defaults as `Backend` declares them
 
-    # -- live training (`LiveBackend`, backends/live.py, docs/live.md) -------------------------------
+    # -- live training (`LiveBackend`, backends/live_training.py, docs/live.md) -------------------------------
 
     async def live(
         self, model: ModelConfig, config: LiveConfig | None = None, *, evaluate: Evaluate | None = None
@@ -853,7 +853,7 @@ class LocalBackend:
         return await self._start_live(s, config, evaluate)
 
     async def _start_live(self, s: _Service, config: LiveConfig, evaluate: Evaluate | None) -> LiveStatus:
-        from journeyman.backends.live import LiveRun, LiveServices
+        from journeyman.backends.live_training import LiveRun, LiveServices
 
         old = s.live
         if old is not None:

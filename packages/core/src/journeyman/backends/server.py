@@ -50,6 +50,7 @@ from journeyman.errors import (
     JourneymanError,
     UnknownModelError,
 )
+from journeyman.serving.api_tokens import Scope, TokenBook
 from journeyman.serving.guard import (
     DEFAULT_MAX_BODY_BYTES,
     Guard,
@@ -58,7 +59,6 @@ from journeyman.serving.guard import (
     needed_scope,
     token_book,
 )
-from journeyman.serving.tokens import Scope, TokenBook
 
 log = logging.getLogger("journeyman.backends.server")
 

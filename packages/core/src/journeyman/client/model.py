@@ -19,7 +19,7 @@ from journeyman.client.protocol import (
     set_current_backend,
 )
 from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainResult
-from journeyman.data.live import Decision, DecisionAction, LiveConfig, LiveStatus, OutcomeReceipt
+from journeyman.data.live_types import Decision, DecisionAction, LiveConfig, LiveStatus, OutcomeReceipt
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError, JourneymanError
 from journeyman.rollout.capture import CapturedCall, add_capture_header, capture_scope

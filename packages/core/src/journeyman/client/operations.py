@@ -41,11 +41,11 @@ from journeyman.client.wire import (
     TrainBody,
 )
 from journeyman.data.config import TrainResult
-from journeyman.data.live import Decision, LiveStatus, OutcomeReceipt
+from journeyman.data.live_types import Decision, LiveStatus, OutcomeReceipt
 from journeyman.rollout.capture import CapturedCall
 
 Scope = Literal["sample", "train", "admin"]
-"""What a token may call; they nest, sample < train < admin (`serving/tokens.py`)."""
+"""What a token may call; they nest, sample < train < admin (`serving/api_tokens.py`)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import BaseModel, Field
 
 from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainResult
-from journeyman.data.live import Decision, DecisionAction, LiveConfig, LiveStatus, OutcomeReceipt
+from journeyman.data.live_types import Decision, DecisionAction, LiveConfig, LiveStatus, OutcomeReceipt
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError
 from journeyman.rollout.capture import CapturedCall

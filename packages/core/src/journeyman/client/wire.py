@@ -18,7 +18,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainResult, check_name
-from journeyman.data.live import DecisionAction, LiveConfig
+from journeyman.data.live_types import DecisionAction, LiveConfig
 from journeyman.data.trajectory_file import check_trajectories
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError

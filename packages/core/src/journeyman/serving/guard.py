@@ -17,7 +17,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from journeyman.client.operations import OPERATIONS
 from journeyman.client.wire import PREFIX
-from journeyman.serving.tokens import Scope, TokenBook, allows
+from journeyman.serving.api_tokens import Scope, TokenBook, allows
 
 ASGIApp = Callable[
     [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[..., Awaitable[None]]], Awaitable[None]

@@ -26,7 +26,7 @@ from urllib.parse import parse_qs
 from pydantic import BaseModel, Field
 
 from journeyman.app.view.runs import Run, RunFiles, StepFile
-from journeyman.app.view.tokens import token_decoder
+from journeyman.app.view.token_text import token_decoder
 from journeyman.backends.store import finite  # NaN as null: answers are strict JSON
 from journeyman.data.config import DEFAULT_BASE_MODEL
 from journeyman.errors import InvalidFieldError, JourneymanError

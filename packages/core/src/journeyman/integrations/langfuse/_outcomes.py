@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from langfuse import Langfuse
     from langfuse.api import LangfuseAPI
 
-    from journeyman.data.live import OutcomeReceipt
+    from journeyman.data.live_types import OutcomeReceipt
 
 ROOT_FIELDS = "core,basic,trace_context"
 

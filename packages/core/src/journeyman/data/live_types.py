@@ -1,6 +1,6 @@
 """Live training's data: its settings, an episode's outcome, a gate decision, the status.
 
-Shared by the server (`backends/live.py`), the HTTP bodies (`client/wire.py`) and the light client,
+Shared by the server (`backends/live_training.py`), the HTTP bodies (`client/wire.py`) and the light client,
 so every side reads the same fields. The protocol is in docs/live.md.
 """
 

@@ -36,7 +36,7 @@ from journeyman.backends.store import write_atomic
 from journeyman.client.protocol import Evaluate
 from journeyman.data.config import TrainConfig, TrainResult
 from journeyman.data.journal import GroupJournal
-from journeyman.data.live import (
+from journeyman.data.live_types import (
     Decision,
     DecisionAction,
     EpisodeOutcome,
@@ -51,7 +51,7 @@ from journeyman.rollout.baseline import RunningBaseline, advantages
 from journeyman.rollout.capture import CapturedCall, Captures
 from journeyman.rollout.histories import join_calls, trajectory_of
 
-log = logging.getLogger("journeyman.backends.live")
+log = logging.getLogger("journeyman.backends.live_training")
 
 TICK_S = 0.2
 KEPT_DECISIONS = 20
