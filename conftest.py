@@ -52,7 +52,7 @@ FILE_SECONDS = {
     "packages/core/tests/test_train.py": 52,
     "packages/core/tests/test_fuzz.py": 50,
     "packages/core/tests/test_live.py": 46,
-    "tests/test_remote_adapters.py": 46,
+    "tests/test_remote_integrations.py": 46,
     "tests/test_light_client.py": 45,
     "packages/core/tests/test_ruler_local.py": 39,
     "tests/test_gpu_check.py": 33,

@@ -2,7 +2,7 @@
 
 What it shows: nothing fails, nothing hangs and memory stays flat under sustained load. 64 rollouts
 run at once (each: a forced tool call, the tool's result, a free answer, filed through a capture
-scope as an agent adapter does), groups of 4 finish into a queue, and every `--train-every-s` the
+scope as an agent integration does), groups of 4 finish into a queue, and every `--train-every-s` the
 finished groups train one step while rollouts go on. Printed: rollouts, requests and errors; p50/p99
 request latency; peak RSS of the warm-up (rollouts and one training step: a step's activations are
 the peak) and of the measured part, where a leak shows as growth; what the endpoint holds. To tell a

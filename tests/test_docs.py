@@ -5,7 +5,7 @@ Each block is checked three ways, without the model:
 
 - it compiles (top-level `await` allowed, as in a notebook or `python -m asyncio`);
 - every `jm.X`, `journeyman.X`, `from journeyman... import X` is public (in `__all__` of a module
-  whose path has no `_` part, the rule tests/test_boundaries.py applies to the adapters), every
+  whose path has no `_` part, the rule tests/test_boundaries.py applies to the integrations), every
   `from <anything> import X` resolves, and calls of Journeyman callables and of methods of
   Journeyman objects the block constructs bind to their signatures (a renamed keyword fails here);
 - the names it uses but no block of its file defines are exactly the ones listed in READER_NAMES

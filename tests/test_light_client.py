@@ -1,6 +1,6 @@
 """The light install (`pip install journeyman`, no `backend` extra) drives `journeyman serve`.
 
-A fresh venv gets core and the two agent adapters from the lockfile, offline, from uv's cache: no
+A fresh venv gets core and the two agent integrations from the lockfile, offline, from uv's cache: no
 torch, no fastapi, no xgrammar, no matplotlib. In it, `import journeyman` works, a `LocalBackend`
 says which extra to install, and a `RemoteBackend` to a server started from the full environment
 rolls out (plain client, LangGraph, Agents SDK) and trains a step.

@@ -229,7 +229,7 @@ def test_bad_on_error_and_error_reward_are_refused_by_field() -> None:
         Episode(error_reward="low")  # type: ignore[arg-type]
 
 
-def test_the_adapters_face_resolves_every_name_and_stays_light() -> None:
+def test_the_integrations_face_resolves_every_name_and_stays_light() -> None:
     code = (
         "import sys, journeyman.integrations as a\n"
         "heavy = sorted({'torch', 'transformers', 'fastapi', 'matplotlib'} & set(sys.modules))\n"
@@ -241,3 +241,13 @@ def test_the_adapters_face_resolves_every_name_and_stays_light() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["journeyman.app.plot", "journeyman.app.tasks"]
+
+
+def test_the_old_name_of_the_integrations_face_still_works() -> None:
+    """`journeyman.adapters` (the seam's name before "adapter" meant LoRA weights only) gives the
+    same objects, the lazy ones included."""
+    import journeyman.adapters as old
+    import journeyman.integrations as new
+
+    assert old.__all__ == new.__all__
+    assert old.Episode is new.Episode and old.with_fields is new.with_fields

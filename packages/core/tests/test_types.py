@@ -90,7 +90,7 @@ async def test_gather_rejects_a_bad_max_exceptions() -> None:
 
 
 def _partial() -> jm.Trajectory:
-    """What an adapter built from the calls a run made before it raised."""
+    """What an integration built from the calls a run made before it raised."""
     return jm.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, recorded_choice("calling")])
 
 

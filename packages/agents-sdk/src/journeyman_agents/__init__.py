@@ -1,4 +1,4 @@
-"""Journeyman adapter for the OpenAI Agents SDK: run agents on a trainable model, get trajectories.
+"""Journeyman integration for the OpenAI Agents SDK: run agents on a trainable model, get trajectories.
 
 runner = TrainableRunner(model)                     # or api="chat_completions"
 result, trajectory = await runner.run(agent, "hi")  # RunResult + Trajectory (exact token ids)

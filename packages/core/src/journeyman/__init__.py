@@ -1,7 +1,7 @@
 """Journeyman: on-the-job reinforcement learning for LLM agents.
 
 `import journeyman` is light (no torch, nothing started) and works on the light install
-(`pip install journeyman`: RemoteBackend, TrainableModel, RULER, the adapters). The names of the
+(`pip install journeyman`: RemoteBackend, TrainableModel, RULER, the integrations). The names of the
 machine that trains (`LocalBackend`, `open_backend`, `Tracker`, `VLLMConfig`) load their modules
 on first use; constructing a `LocalBackend` without `pip install 'journeyman[backend]'` says so.
 """

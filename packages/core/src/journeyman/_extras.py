@@ -1,6 +1,6 @@
 """The `backend` extra: what `pip install journeyman` leaves out, and the error that says so.
 
-`pip install journeyman` is the light client (RemoteBackend, TrainableModel, RULER, the adapters);
+`pip install journeyman` is the light client (RemoteBackend, TrainableModel, RULER, the integrations);
 `pip install 'journeyman[backend]'` adds the engine, the trainer and the HTTP server. Each place
 where the heavy path starts (LocalBackend, `journeyman serve`, the demo, the plots) calls
 `require_backend` first, so a light install fails there, before any work, with one line naming the

@@ -111,7 +111,7 @@ class TooManyExceptionsError(JourneymanError, RuntimeError):
 
 
 class RolloutDroppedError(JourneymanError):
-    """A run raised and an adapter's `on_error="drop"` discards it; `error` is what it raised.
+    """A run raised and an integration's `on_error="drop"` discards it; `error` is what it raised.
 
     A TrajectoryGroup counts it under `dropped`, not `exceptions`: the user chose to ignore such
     runs, so they do not count against `max_exceptions`.

@@ -12,7 +12,7 @@ default the command wants different, the formats of a date.
     def sft(file: Path, *, sft: dict[str, Any]) -> None:
         config = SFT.build(sft)    # an SFTConfig; a bad value exits 2, naming its --option
 
-Public, because the adapter packages' CLIs (`mcp-rl`) build their options with it too.
+Public, because the integration packages' CLIs (`mcp-rl`) build their options with it too.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from journeyman.errors import InvalidFieldError
 P = ParamSpec("P")
 
 
-def _adapter() -> Any:
+def _integration() -> Any:
     try:
         import journeyman_langgraph
     except ImportError as e:
@@ -29,14 +29,14 @@ def wrap_rollout(
     records of every call the graph made through `init_chat_model()` (`@trajectory(model)`)."""
     if not isinstance(model, jm.TrainableModel):
         raise InvalidFieldError("model", model, "wrap_rollout records the calls of a TrainableModel")
-    return _adapter().trajectory(model)(fn)
+    return _integration().trajectory(model)(fn)
 
 
 def init_chat_model(model_name: str | None = None, **kwargs: Any) -> Any:
     """ART's `init_chat_model(model.name, temperature=...)` inside a `wrap_rollout` function: the
     episode's trained policy as a LangChain chat model. `model_name`, if given, must name it."""
     try:
-        llm = _adapter().init_chat_model(None, **kwargs)  # the episode's model
+        llm = _integration().init_chat_model(None, **kwargs)  # the episode's model
     except InvalidFieldError as e:
         if e.field != "model":
             raise

@@ -1,7 +1,7 @@
 """OpenAI chat messages: their roles, their text, one normal shape, and the way back to OpenAI's shape.
 
 Every stop of the data path reads messages (the endpoint renders them, the trainer re-renders
-imported ones, RULER shows them to a judge, the adapters rebuild histories from them); this module
+imported ones, RULER shows them to a judge, the integrations rebuild histories from them); this module
 is the one place that knows what a message looks like.
 """
 

@@ -1,7 +1,7 @@
 """RemoteBackend: the Backend protocol as a client of `journeyman serve` on another machine.
 
     backend = jm.RemoteBackend("http://gpu-box:7800", token=os.environ["JOURNEYMAN_TOKEN"])
-    await model.register(backend)      # the same TrainableModel, rollouts and adapters as locally
+    await model.register(backend)      # the same TrainableModel, rollouts and integrations as locally
     client = model.openai_client()     # inference goes to the server; token records come back
 
 Every call has a timeout. A connection the server refuses or drops is retried with backoff for up

@@ -2,7 +2,7 @@
 
 RL learns from a run that hit its turn limit, tripped a guardrail or crashed a node as much as from
 one that finished: every call it made was sampled by the policy, and a low reward says so. ART keeps
-such runs too. An adapter (LangGraph's `@trajectory`, the Agents SDK's `TrainableRunner`) builds the
+such runs too. An integration (LangGraph's `@trajectory`, the Agents SDK's `TrainableRunner`) builds the
 partial trajectory from the endpoint's captured calls, exact token records included, and hands it
 here with the exception; `on_error` decides what becomes of it:
 
@@ -34,7 +34,7 @@ ErrorReward = float | Callable[[Trajectory], float]
 
 
 def check_on_error(on_error: object, error_reward: object) -> OnError:
-    """Validate an adapter's `on_error=` / `error_reward=` arguments; returns the policy."""
+    """Validate an integration's `on_error=` / `error_reward=` arguments; returns the policy."""
     if on_error not in get_args(OnError):
         raise InvalidFieldError("on_error", on_error, "use 'score' (keep and train), 'drop' or 'raise'")
     if not callable(error_reward) and (
@@ -73,7 +73,7 @@ def settle_failed_run(
     if not trajectory.records() and not any(h.records() for h in trajectory.additional_histories):
         raise error  # no call reached the endpoint: nothing to train, a rollout that left nothing
     trajectory.error = RolloutException.from_exception(error)
-    trajectory.metrics["errored"] = True  # adapters set False on the rest: `model.log` rows show the fraction
+    trajectory.metrics["errored"] = True  # integrations set False on the rest: `model.log` rows show the fraction
     if "reward" not in trajectory.model_fields_set:  # a reward the run set before it raised wins
         trajectory.reward = error_reward(trajectory) if callable(error_reward) else float(error_reward)
     trajectory.log(f"the run raised {type(error).__name__}: {error} (kept: on_error='score')")

@@ -210,8 +210,8 @@ class TrajectoryGroup(BaseModel):
     Accepts finished trajectories, or awaitables of them (gathered by `gather_trajectory_groups`
     or by awaiting the group). Exceptions raised by rollouts are kept, not lost: on `exceptions`
     when the rollout left nothing (an exception given in the list lands there too, as ART's groups
-    take them), on `dropped` when an adapter's `on_error="drop"` discarded the run. A run an
-    adapter kept despite its error is a trajectory (`error` set) and trains.
+    take them), on `dropped` when an integration's `on_error="drop"` discarded the run. A run an
+    integration kept despite its error is a trajectory (`error` set) and trains.
 
     A group is a sequence of its trajectories: `for t in group`, `len(group)`, `group[0]`.
     """

@@ -1,6 +1,6 @@
 """An engine that needs no model: its replies come from a script, its logprobs from a formula.
 
-For tests of everything above the engine (the endpoint, captures, joins, adapters, servers) that use
+For tests of everything above the engine (the endpoint, captures, joins, integrations, servers) that use
 a model only as plumbing: loading the embedded model takes 30-120 s on the 2-core CI machine, a
 tokenizer well under one. The samples are real token ids of the served tokenizer, so records,
 splicing and rows work as they do on a real model; only what is said is decided by the script.

@@ -1,6 +1,6 @@
-"""One episode, one Trajectory: the seam every adapter runs an agent through.
+"""One episode, one Trajectory: the seam every integration runs an agent through.
 
-An adapter (LangGraph's `@trajectory`, the Agents SDK's `TrainableRunner`, MCP's `rollout`) does the
+An integration (LangGraph's `@trajectory`, the Agents SDK's `TrainableRunner`, MCP's `rollout`) does the
 same five things around a framework's run, and does them here:
 1. capture: the run's requests carry capture ids of this episode (`running()` / `capture()` set one
    for the context, `new_capture_id()` hands one out per request), and the endpoint files each
@@ -12,7 +12,7 @@ same five things around a framework's run, and does them here:
 5. settle: `settle()` returns the trajectory (`metrics["errored"]` False), or for a run that
    raised applies `on_error` (`journeyman.data.failures`: keep it scored, drop it, or re-raise).
 
-`finish()` is 2, 3 and 5 with one partition. A new adapter is then a page:
+`finish()` is 2, 3 and 5 with one partition. A new integration is then a page:
 
     episode = Episode(model, on_error="score")
     with episode.running():                      # requests of model.openai_client() are captured
@@ -20,7 +20,7 @@ same five things around a framework's run, and does them here:
     trajectory = await episode.finish()          # or raises, per on_error
     trajectory.reward = score(answer)
 
-A run that is cancelled (a BaseException) passes through `running()`; the adapter then calls
+A run that is cancelled (a BaseException) passes through `running()`; the integration then calls
 `discard()` so that nothing it filed stays on the endpoint.
 """
 
@@ -107,7 +107,7 @@ class Episode:
     # -- the run ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def running(self, *, capture: bool = True) -> Iterator[Episode]:
-        """Run the agent inside: its requests are captured (unless `capture=False`: the adapter
+        """Run the agent inside: its requests are captured (unless `capture=False`: the integration
         stamps them itself) and an Exception it raises is kept for `settle`, not raised.
         BaseExceptions (cancellation, Ctrl-C) pass through."""
         with self.capture() if capture else contextlib.nullcontext():

@@ -29,9 +29,9 @@ async def gather_trajectory_groups(
     rollouts) before this raises `TooManyExceptionsError`. That error is raised only after every
     rollout has finished and carries the finished groups, so nothing gathered is lost. Exceptions
     below the limit stay on each group's `exceptions`. A run that raised but was kept by its
-    adapter (`on_error="score"`, see `journeyman.data.failures`) is a trajectory with `error` set:
+    integration (`on_error="score"`, see `journeyman.data.failures`) is a trajectory with `error` set:
     counted as `errored` on the progress bar, never against `max_exceptions`, and trained; one
-    its adapter dropped is on the group's `dropped`. `after_each` runs on each group as soon as
+    its integration dropped is on the group's `dropped`. `after_each` runs on each group as soon as
     its rollouts finish (e.g. `ruler_score_group`) and may return a replacement group.
     """
     if isinstance(max_exceptions, bool) or not isinstance(max_exceptions, int | float) or max_exceptions < 0:

@@ -1,4 +1,4 @@
-"""Both agent adapters, unchanged, against `journeyman serve` in another process (`jm.RemoteBackend`).
+"""Both agent integrations, unchanged, against `journeyman serve` in another process (`jm.RemoteBackend`).
 
 "Token-exact" is checked against the engine itself: the server serves step 0 (LoRA B = 0, i.e. the
 base model), so a local copy of the base model, teacher-forced on each record's prompt + sampled
