@@ -67,7 +67,7 @@ class McpRlSettings(BaseModel):
         default=None,
         repr=False,
         exclude=True,
-        description="the server's token (default: $JOURNEYMAN_TOKEN)",
+        description="the server's API token (default: $JOURNEYMAN_TOKEN)",
     )
     tools: list[str] = Field(default_factory=list, description="train on these tools only (all when empty)")
     judge: str = Field(

@@ -102,7 +102,7 @@ def demo(
     backend: Annotated[
         str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
     ] = None,
-    token: Annotated[str | None, typer.Option(help="the server's token (default: $JOURNEYMAN_TOKEN)")] = None,
+    token: Annotated[str | None, typer.Option(help="the server's API token (default: $JOURNEYMAN_TOKEN)")] = None,
     pipeline: Annotated[
         bool,
         typer.Option(help="train with the asynchronous PipelineTrainer: rollouts go on while a step trains"),
@@ -196,7 +196,7 @@ def view(
         bool, typer.Option("--open/--no-open", help="open the page in a browser")
     ] = False,
 ) -> None:
-    """Browse runs in a web page on 127.0.0.1: curves, steps, groups, trajectories and their tokens;
+    """Browse runs in a web page on 127.0.0.1: curves, steps, groups, trajectories and their token ids;
     a run that is training updates the page as it goes. Read-only."""
     from journeyman.app.view.server import ViewerServer
 
@@ -236,7 +236,7 @@ def sft(
     backend: Annotated[
         str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
     ] = None,
-    token: Annotated[str | None, typer.Option(help="the server's token (default: $JOURNEYMAN_TOKEN)")] = None,
+    token: Annotated[str | None, typer.Option(help="the server's API token (default: $JOURNEYMAN_TOKEN)")] = None,
     report_to: Annotated[
         list[str] | None, typer.Option("--report-to", help="mirror the history to: wandb (repeatable)")
     ] = None,
@@ -356,10 +356,10 @@ def serve(
     ssl_keyfile: Annotated[Path | None, typer.Option(help="the certificate's private key (PEM)")] = None,
 ) -> None:
     """Serve the Backend protocol and every model's OpenAI endpoint over HTTP, for `jm.RemoteBackend`,
-    and the run viewer at /view/ (open /view/?token=T once in a browser; a token of scope train).
+    and the run viewer at /view/ (open /view/?token=T once in a browser; an API token of scope train).
 
     Every request needs `Authorization: Bearer <token>`: $JOURNEYMAN_TOKEN (or a new one printed at
-    start) is an admin token; `journeyman token add` makes named ones with narrower scopes."""
+    start) is an admin API token; `journeyman token add` makes named ones with narrower scopes."""
     import os
     import secrets
 
@@ -377,7 +377,7 @@ def serve(
     token = os.environ.get("JOURNEYMAN_TOKEN") or secrets.token_urlsafe(32)
     if host not in ("127.0.0.1", "localhost", "::1") and ssl_certfile is None:
         typer.echo(
-            f"warning: binding {host} without TLS: tokens cross the network in the clear; pass "
+            f"warning: binding {host} without TLS: API tokens cross the network in the clear; pass "
             "--ssl-certfile/--ssl-keyfile or put a TLS reverse proxy in front (README)",
             err=True,
         )
@@ -416,7 +416,7 @@ def token_add(
     scope: Annotated[str, typer.Option(help="sample, train or admin")] = "sample",
     path: _TOKEN_PATH = Path(".journeyman"),
 ) -> None:
-    """Add a token and print its secret (shown once; the server keeps only its sha256)."""
+    """Add an API token and print its secret (shown once; the server keeps only its sha256)."""
     from journeyman.serving.api_tokens import SCOPES, TokenBook
 
     if scope not in SCOPES:
@@ -428,7 +428,7 @@ def token_add(
 def token_revoke(
     name: Annotated[str, typer.Argument(help="the token's name")], path: _TOKEN_PATH = Path(".journeyman")
 ) -> None:
-    """Revoke a token: the next request that presents it gets a 401."""
+    """Revoke an API token: the next request that presents it gets a 401."""
     from journeyman.serving.api_tokens import TokenBook
 
     if not TokenBook(RunRoot(path).tokens).revoke(name):
@@ -437,7 +437,7 @@ def token_revoke(
 
 @token_app.command("list")
 def token_list(path: _TOKEN_PATH = Path(".journeyman")) -> None:
-    """The tokens in the file: name, scope, when added (never the secrets)."""
+    """The API tokens in the file: name, scope, when added (never the secrets)."""
     import time
 
     from journeyman.serving.api_tokens import TokenBook
@@ -456,7 +456,7 @@ GATE = Fields.nested(LiveConfig, "gate", prefix="gate_", panel="The gate (GateCo
 LIVE_TRAIN = Fields.nested(LiveConfig, "train", only=["learning_rate"], panel="Training")
 _MODEL = Annotated[str, typer.Argument(help="the served model's name")]
 _SERVER = Annotated[str, typer.Option(help="the URL `journeyman serve` printed")]
-_SERVER_TOKEN = Annotated[str | None, typer.Option(help="the server's token (default: $JOURNEYMAN_TOKEN)")]
+_SERVER_TOKEN = Annotated[str | None, typer.Option(help="the server's API token (default: $JOURNEYMAN_TOKEN)")]
 
 
 def _remote_call(server: str, token: str | None, model: str, call: Any) -> Any:

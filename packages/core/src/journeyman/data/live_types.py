@@ -177,7 +177,7 @@ class Decision(BaseModel):
     step: int = Field(description="the candidate promoted or rejected; the step rolled back")
     served: int = Field(description="the step the production traffic is served by after it")
     reason: str
-    by: str = Field(description="'gate', 'rollback', or the name of the person's token")
+    by: str = Field(description="'gate', 'rollback', or the name of the person's API token")
     at: float = Field(description="unix time")
 
 

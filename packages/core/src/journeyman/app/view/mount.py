@@ -1,5 +1,5 @@
-"""The viewer inside `journeyman serve`: its pages and API at `/view/`, behind the server's tokens
-(`serving.guard`: scope train; a browser brings the token once as `/view/?token=...`, then as an
+"""The viewer inside `journeyman serve`: its pages and API at `/view/`, behind the server's API tokens
+(`serving.guard`: scope train; a browser brings the API token once as `/view/?token=...`, then as an
 HttpOnly cookie)."""
 
 from __future__ import annotations
