@@ -7,8 +7,10 @@ a bench adds this folder itself. Fixtures built on these live in the root confte
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +55,23 @@ FEW_SHOT: list[dict[str, Any]] = [
     {"role": "assistant", "content": "It is 18C and cloudy in Rome."},
     {"role": "user", "content": "What's the weather in Paris?"},
 ]
+
+
+LANGFUSE_RECEIVER = (
+    Path(__file__).resolve().parents[1] / "packages/core/tests/integrations/langfuse_receiver.py"
+)
+
+
+def langfuse_receiver() -> Any:
+    """The wire-level Langfuse stand-in (`LANGFUSE_RECEIVER`), loaded by path once per process (tests
+    are not a package) and kept in sys.modules, so every test file gets the same module."""
+    if "langfuse_receiver" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("langfuse_receiver", LANGFUSE_RECEIVER)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["langfuse_receiver"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["langfuse_receiver"]
 
 
 def weather_tools(cities: Sequence[str] | None = None) -> list[dict[str, Any]]:

@@ -19,7 +19,6 @@ over stdio and SSE, list its tools and call them; here only its scenario writer 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _support import langfuse_receiver
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -244,22 +244,9 @@ EXAMPLE_RUNS = [
 ]
 
 
-def _load_langfuse_receiver() -> Any:
-    """packages/core/tests/langfuse_receiver.py, by path (tests are not a package); shared with test_langfuse."""
-    if "langfuse_receiver" in sys.modules:
-        return sys.modules["langfuse_receiver"]
-    path = ROOT / "packages" / "core" / "tests" / "langfuse_receiver.py"
-    spec = importlib.util.spec_from_file_location("langfuse_receiver", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["langfuse_receiver"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def langfuse() -> Iterator[Any]:
-    receiver = _load_langfuse_receiver().LangfuseReceiver(
+    receiver = langfuse_receiver().LangfuseReceiver(
         f"pk-lf-{uuid.uuid4().hex[:8]}", f"sk-lf-{uuid.uuid4().hex[:8]}"
     )
     yield receiver

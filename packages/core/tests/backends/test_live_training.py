@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import journeyman as jm
 import pytest
-from _support import tiny_model_dir
+from _support import langfuse_receiver, tiny_model_dir
 from journeyman.backends.server import ServerProcess
 from journeyman.rollout.baseline import RunningBaseline, advantages
 
@@ -423,18 +423,11 @@ async def test_kill_9_of_the_server_with_scored_episodes_waiting_loses_none(tmp_
 
 
 def _langfuse() -> tuple[Any, Any]:
-    """A Langfuse stand-in on 127.0.0.1 (`langfuse_receiver.py`) and an SDK client exporting to it."""
-    import importlib.util
-
+    """A Langfuse stand-in on 127.0.0.1 (`_support.langfuse_receiver`) and an SDK client exporting to it."""
     from langfuse import Langfuse
     from opentelemetry.sdk.trace import TracerProvider
 
-    path = Path(__file__).with_name("langfuse_receiver.py")
-    spec = importlib.util.spec_from_file_location("langfuse_receiver", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    r = module.LangfuseReceiver(f"pk-lf-{secrets.token_hex(4)}", f"sk-lf-{secrets.token_hex(4)}")
+    r = langfuse_receiver().LangfuseReceiver(f"pk-lf-{secrets.token_hex(4)}", f"sk-lf-{secrets.token_hex(4)}")
     lf = Langfuse(
         public_key=r.public_key, secret_key=r.secret_key, base_url=r.host, tracer_provider=TracerProvider()
     )

@@ -8,12 +8,10 @@ decodes what it receives; the rollouts come from the real embedded model.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import math
 import socket
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -23,6 +21,7 @@ from typing import Any
 
 import journeyman as jm
 import pytest
+from _support import langfuse_receiver
 from journeyman.app import tasks
 from journeyman.integrations.langfuse import (
     META_KEY,
@@ -38,14 +37,7 @@ from journeyman.training.rows import trajectory_rows
 
 pytestmark = pytest.mark.integration
 
-_spec = importlib.util.spec_from_file_location(
-    "langfuse_receiver", Path(__file__).with_name("langfuse_receiver.py")
-)
-assert _spec is not None and _spec.loader is not None
-receiver_module = importlib.util.module_from_spec(_spec)
-sys.modules["langfuse_receiver"] = receiver_module
-_spec.loader.exec_module(receiver_module)
-LangfuseReceiver = receiver_module.LangfuseReceiver
+LangfuseReceiver = langfuse_receiver().LangfuseReceiver
 
 TOOLS = [
     {

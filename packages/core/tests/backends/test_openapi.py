@@ -19,7 +19,7 @@ from journeyman.serving.guard import Guard, needed_scope
 from openapi_spec_validator import validate
 
 ADMIN = "openapi-admin-0123456789abcdef"
-PROTOCOL_PAGE = Path(__file__).parents[3] / "docs" / "protocol.md"
+PROTOCOL_PAGE = Path(__file__).parents[4] / "docs" / "protocol.md"
 HIDDEN = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}  # FastAPI's own pages
 
 

@@ -36,7 +36,7 @@ def test_an_exception_given_in_a_group_is_kept_on_exceptions() -> None:
 
 
 def test_group_metrics_reach_the_history_row() -> None:
-    from journeyman.backends.local import group_metrics
+    from journeyman.backends.train_step import group_metrics
 
     groups = [jm.TrajectoryGroup([traj(1.0)], metrics={"hard": 1}), jm.TrajectoryGroup([traj(0.0)])]
     assert group_metrics(groups)["group_hard"] == 1.0
