@@ -27,13 +27,18 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from journeyman.backends.service import ServedModel
 from journeyman.backends.store import write_atomic
+from journeyman.backends.train_step import GRPOUpdate, check_groups, run_step
 from journeyman.client.protocol import Evaluate
+from journeyman.client.wire import body_error
 from journeyman.data.config import TrainConfig, TrainResult
 from journeyman.data.journal import GroupJournal
 from journeyman.data.live_types import (
@@ -526,4 +531,86 @@ def _advantage_groups(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
     return [TrajectoryGroup(ts) for ts in out.values()]
 
 
-__all__ = ["Evaluate", "LiveRun", "LiveServices", "TrainFrom"]
+# -- a served model's live training (what `LocalBackend`'s live operations call) -------------------
+
+
+async def start_live(
+    s: ServedModel, config: LiveConfig, evaluate: Evaluate | None, *, resumed: bool = False
+) -> LiveStatus:
+    """Start (or reconfigure) live training of `s`. The settings are kept in the run directory, so
+    a restarted server goes on (`resumed`: from those settings); an `evaluate` function is not kept:
+    its gate falls back to the canary, or to a person."""
+    folder = s.store.root / "live"
+    if not resumed:
+        if not s.engine.serves_other_steps and (config.gate.canary_share > 0 or evaluate is not None):
+            raise InvalidFieldError(
+                "config.gate.canary_share",
+                config.gate.canary_share,
+                "this engine serves one step at a time: a candidate cannot be "
+                "sampled beside the promoted step; set canary_share=0, no evaluate, and decide by command",
+            )
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(folder / "config.json", config.model_dump_json(indent=1))
+    old = s.live
+    if old is not None:
+        await live_run(s).close()  # a step under way finishes first
+
+    async def train_from(
+        groups: list[TrajectoryGroup], config: TrainConfig, key: str, parent: int
+    ) -> TrainResult:
+        update = GRPOUpdate(check_groups(groups), config)
+        return await run_step(
+            s, update, idempotency_key=key, on_progress=None, trained_by="live", parent=parent
+        )
+
+    async def serve(step: int) -> None:
+        async with s.step_lock:
+            s.store.check_step(step)
+            await s.serve_trained(step)
+
+    def set_route(route: Callable[[str | None], int | None] | None) -> None:
+        s.endpoint.route = route
+
+    services = LiveServices(
+        name=s.model.name,
+        captures=s.endpoint.captures,
+        side_steps=s.endpoint.side_steps,
+        set_route=set_route,
+        train_from=train_from,
+        serve=serve,
+        checkpoint_dir=s.store.checkpoint_dir,
+        latest_step=s.store.latest_step,
+        record=s.record,
+    )
+    run = LiveRun(s.store.root, services, config, evaluate)
+    if isinstance(old, LiveRun):  # reconfigured: the counts go on (outcomes are counted from the journal)
+        run.counts.update({k: v for k, v in old.counts.items() if k != "outcomes"})
+    s.live = run
+    await run.start()
+    return run.status()
+
+
+async def resume_live(s: ServedModel) -> None:
+    """Live training again as it was configured, if it was (a registered model's run directory)."""
+    path = s.store.root / "live" / "config.json"
+    if path.exists():
+        await start_live(s, LiveConfig.model_validate_json(path.read_text()), None, resumed=True)
+
+
+def live_run(s: ServedModel) -> LiveRun:
+    if not isinstance(s.live, LiveRun):
+        raise InvalidFieldError("model", s.model.name, "live training is off: start it with `live` first")
+    return s.live
+
+
+def outcome_of(
+    episode_id: str, reward: float, metrics: Mapping[str, float] | None, group: str | None
+) -> EpisodeOutcome:
+    """The outcome as posted, or the error naming the field a bad one got wrong."""
+    try:
+        return EpisodeOutcome(episode_id=episode_id, reward=reward, metrics=dict(metrics or {}), group=group)
+    except ValidationError as e:
+        raise body_error(e) from e
+
+
+__all__ = ["Evaluate", "LiveRun", "LiveServices", "TrainFrom", "live_run", "resume_live", "start_live"]

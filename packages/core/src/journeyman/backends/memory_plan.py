@@ -832,7 +832,7 @@ def plan_for_backend(
     settings, the rows from `train` (TrainConfig's defaults: the plan is made before any step says
     otherwise), the device's memory as `memory` (GPUs, bytes of each) or else asked of torch; on the
     CPU it is the host's."""
-    from journeyman.policy.lora import pick_device
+    from journeyman.policy.base_weights import pick_device
 
     where = pick_device(device)
     cuda = where.type == "cuda"

@@ -8,7 +8,6 @@ overlap. Saving writes the adapter in PEFT's format, which vLLM also loads.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import warnings
 import weakref
@@ -23,8 +22,8 @@ if TYPE_CHECKING:
 
 from journeyman.data.config import LoraConfig
 from journeyman.errors import InvalidFieldError
+from journeyman.policy.base_weights import BaseWeights
 from journeyman.policy.merge import AdapterMerge
-from journeyman.policy.precision import enable_tf32, resolve_precision
 
 
 def cache_kv(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -52,18 +51,6 @@ def attention_implementation(causal_lm: Any, name: str) -> Iterator[str]:
         yield before
     finally:
         causal_lm.set_attn_implementation(before)
-
-
-def pick_device(device: str | None = None, rank: int | None = None) -> torch.device:
-    """`device` as given, by default a GPU when there is one. Plain "cuda" means this rank's GPU:
-    rank r of a machine on GPU r mod their count (torchrun's LOCAL_RANK when no rank is given),
-    since NCCL needs one GPU per rank."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device != "cuda":
-        return torch.device(device)
-    local = rank if rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
-    return torch.device("cuda", local % max(1, torch.cuda.device_count()))
 
 
 def with_adapter(base: Any, lora: LoraConfig) -> Any:
@@ -100,24 +87,19 @@ class LoraPolicy:
 
     def __init__(
         self,
-        model_dir: Path,
+        base: Path | BaseWeights,
         lora: LoraConfig | None = None,
         device: str | None = None,
         dtype: str | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.device = pick_device(device)
-        precision = resolve_precision(dtype, self.device)  # None: by device (policy/precision.py)
-        if precision.tf32:
-            enable_tf32()
-        self.dtype = getattr(torch, precision.dtype)
+        """`base`: the base's weights, or the directory they are in (then `device` and `dtype`, None
+        by device, place them; with a `BaseWeights` its own place counts)."""
+        self.base = base if isinstance(base, BaseWeights) else BaseWeights(base, device, dtype)
+        self.device = self.base.device
+        self.dtype = self.base.dtype
         self.lora = lora or LoraConfig()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
-        # transformers wraps `.to` in a decorator whose stub leaves `self` unbound
-        base = base.to(self.device)  # pyright: ignore[reportArgumentType]
-        self.model: Any = with_adapter(base, self.lora)
+        self.tokenizer = self.base.tokenizer
+        self.model: Any = with_adapter(self.base.load_module(), self.lora)
         # Sampling and a training step never overlap on the shared weights.
         self.lock = threading.RLock()
         # Bumped whenever the adapter weights change (a step, a load): caches of activations

@@ -38,7 +38,7 @@ from pydantic import BaseModel
 from journeyman.data.config import LoraConfig, TrainConfig, TrainerConfig
 from journeyman.data.types import TrajectoryGroup
 from journeyman.errors import TrainerRankError
-from journeyman.policy.lora import pick_device
+from journeyman.policy.base_weights import pick_device
 from journeyman.training.collective import Collective, bind_device
 from journeyman.training.sharding import ShardedBase
 
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = TrainerConfig.from_env()
     if config.rank == 0 or config.master_addr is None:
         raise SystemExit("run rank 0 as your training script with trainer=TrainerConfig.from_env()")
-    from journeyman.policy.lora import pick_device
+    from journeyman.policy.base_weights import pick_device
     from journeyman.policy.precision import resolve_precision
     from journeyman.policy.weights import resolve_base_model
 
