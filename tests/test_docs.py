@@ -86,16 +86,16 @@ READER_NAMES: dict[tuple[str, str], set[str]] = {
 # Blocks that need a service this machine lacks: block -> that service. Compiled and checked, not run.
 EXTERNAL: dict[tuple[str, str], str] = {
     ("docs/scale.md", "data_parallel_size=8"): "8 GPUs and vLLM in VENV (the mechanism: test_distributed.py)",
-    ("docs/scale.md", "shard_base=True"): "8 GPUs and vLLM in VENV (the mechanism: test_sharded.py)",
+    ("docs/scale.md", "shard_base=True"): "8 GPUs and vLLM in VENV (the mechanism: test_sharding.py)",
     ("README.md", 'base_model="/models/Qwen3-8B"'): (
-        "a Qwen3 checkpoint on disk (the families themselves: packages/core/tests/test_families.py)"
+        "a Qwen3 checkpoint on disk (the families themselves: packages/core/tests/chat/test_families.py)"
     ),
     ("README.md", "jm.RemoteBackend("): (
         "a `journeyman serve` server on 127.0.0.1:7800 and its $JOURNEYMAN_TOKEN"
-        " (RemoteBackend itself: packages/core/tests/test_remote.py)"
+        " (RemoteBackend itself: packages/core/tests/backends/test_server.py)"
     ),
     ("docs/live.md", 'jm.RemoteBackend("http://gpu-box:7800")'): (
-        "a `journeyman serve` server at gpu-box:7800 (live training itself: packages/core/tests/test_live.py)"
+        "a `journeyman serve` server at gpu-box:7800 (live training itself: packages/core/tests/backends/test_live_training.py)"
     ),
     ("README.md", "await fetch_review_set("): (
         "a Langfuse server (LANGFUSE_* keys) holding human-scored traces, and block 1's model"

@@ -12,8 +12,8 @@ The examples run two at a time, each on one thread (OMP_NUM_THREADS=1): one per 
 default of a thread per core, beside any other busy process, makes its threads wait on each other
 at every op; on this 2-core machine that turned a 40 s run into one past 8 minutes.
 
-`langfuse_review.py` talks to the local Langfuse receiver of packages/core/tests (the real SDK's
-wire calls, answered on 127.0.0.1). `mcp_todo_server.py` is a server: packages/mcp/tests start it
+`langfuse_review.py` talks to the local Langfuse receiver (`_support.langfuse_receiver`: the real
+SDK's wire calls, answered on 127.0.0.1). `mcp_todo_server.py` is a server: packages/mcp/tests start it
 over stdio and SSE, list its tools and call them; here only its scenario writer is checked.
 """
 

@@ -36,7 +36,7 @@ from journeyman.engine.vllm_server import VLLMConfig
 from openai.types.chat import ChatCompletion
 
 # Startup dominates on 2 shared cores (50 s idle, up to 4 min under load); learning took 104 s alone
-# with 3 steps (0.152 -> 0.498, 8.0 SE); the suite runs 2 (see test_learning.py).
+# with 3 steps (0.152 -> 0.498, 8.0 SE); the suite runs 2 (see test_demo_learns.py).
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(1800)]
 
 
@@ -313,7 +313,7 @@ async def test_json_schema_output_through_vllm(vllm_served) -> None:
 
 @pytest.mark.slow
 async def test_grpo_learns_with_the_vllm_engine(vllm_served) -> None:
-    """The core learning test (test_learning.py's settings) with engine="vllm", on the shared server's
+    """The core learning test (test_demo_learns.py's settings) with engine="vllm", on the shared server's
     model once the base-model checks above are done (a server of its own took another start)."""
     model, backend = vllm_served
     steps: list[dict[str, float]] = []

@@ -4,7 +4,7 @@ A micro-batch is one packed sequence (`pack_rows`): rows sorted by their token i
 end, each after the longest prefix it shares with the row before it, which is already in the
 sequence. Every token sees the tokens of its own row up to itself, whether its row put them there or
 an earlier row did, so a row's hidden states, logprobs and gradients are those of the row run alone
-(test_train.py, test_packed_attention.py), with no padding and each shared prompt prefix run once
+(test_train_step.py, test_packed_attention.py), with no padding and each shared prompt prefix run once
 per micro-batch: the step-wide system prompt and tool definitions of agent rows (~570 of ~700
 tokens on an MCP server), and also the prompt the rows of one group share.
 
