@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from journeyman._extras import require_backend
+from journeyman.backends.live_training import live_run, outcome_of, start_live
 from journeyman.backends.service import ServedModel, ServingSettings
 from journeyman.backends.store import RunStore
-from journeyman.client.operations import LOG, TRAIN, TRAIN_SFT
+from journeyman.backends.train_step import GRPOUpdate, SFTUpdate, log_groups, run_step
+from journeyman.client.operations import DECIDE, LIVE, LIVE_STATUS, LOG, REPORT_OUTCOME, TRAIN, TRAIN_SFT
 from journeyman.client.protocol import Evaluate, Inference, named_or_latest
 from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainerConfig, TrainResult
 from journeyman.data.live_types import Decision, DecisionAction, LiveConfig, LiveStatus, OutcomeReceipt
@@ -182,8 +184,6 @@ class LocalBackend:
         refused (InvalidFieldError) before anything is written. `on_progress(done, total)` reports
         micro-batches; `trained_by` (who asked: an API token's name) goes into the history row.
         """
-        from journeyman.backends.train_step import GRPOUpdate, run_step
-
         s = self.service(model)
         return await run_step(s, GRPOUpdate.prepare(s, groups, config), **step)
 
@@ -203,8 +203,6 @@ class LocalBackend:
         returns. Idempotency keys and token-id checks work as for `train`. `on_progress(done, total)`
         reports optimizer steps.
         """
-        from journeyman.backends.train_step import SFTUpdate, run_step
-
         s = self.service(model)
         return await run_step(s, await SFTUpdate.prepare(s, trajectories, config), **step)
 
@@ -215,12 +213,7 @@ class LocalBackend:
         split: str,
         metrics: Mapping[str, float] | None,
     ) -> dict[str, float]:
-        """Record groups (e.g. an evaluation) and/or extra metrics without training: one history row.
-
-        Groups go to `trajectories/<split>/<step>.jsonl` at once; a training split's files hold only
-        what trained, so `split="train"` (or "sft") takes metrics only."""
-        from journeyman.backends.train_step import log_groups
-
+        """Record groups and/or metrics without training: one history row (see `log_groups`)."""
         return log_groups(self.service(model), groups, split, metrics)
 
     train = TRAIN.implemented_by(_train)
@@ -229,49 +222,37 @@ class LocalBackend:
 
     # -- live training (`LiveBackend`; `live_training.py`, docs/live.md) -----------------------------
 
-    async def live(
-        self, model: ModelConfig, config: LiveConfig | None = None, *, evaluate: Evaluate | None = None
+    async def _live(
+        self, model: ModelConfig, config: LiveConfig | None, evaluate: Evaluate | None
     ) -> LiveStatus:
         """Start (or reconfigure) live training of `model` (see `LiveBackend.live`); the settings are
         kept in the run directory, so a restarted server goes on (an `evaluate` function is not kept:
         its gate falls back to the canary, or to a person)."""
-        from journeyman.backends.live_training import start_live
-
         return await start_live(self.service(model), config or LiveConfig(), evaluate)
 
-    async def report_outcome(
-        self,
-        model: ModelConfig,
-        episode_id: str,
-        reward: float,
-        metrics: Mapping[str, float] | None = None,
-        group: str | None = None,
-    ) -> OutcomeReceipt:
-        from journeyman.backends.live_training import live_run, outcome_of
+    async def _report_outcome(self, model: ModelConfig, **outcome: Any) -> OutcomeReceipt:
+        return live_run(self.service(model)).report(outcome_of(**outcome))
 
-        run = live_run(self.service(model))
-        return run.report(outcome_of(episode_id, reward, metrics, group))
-
-    async def live_status(self, model: ModelConfig) -> LiveStatus:
-        from journeyman.backends.live_training import live_run
-
+    async def _live_status(self, model: ModelConfig) -> LiveStatus:
         return live_run(self.service(model)).status()
 
-    async def decide(
+    async def _decide(
         self,
         model: ModelConfig,
         action: DecisionAction,
-        step: int | None = None,
-        reason: str = "",
-        *,
-        trained_by: str | None = None,
+        step: int | None,
+        reason: str,
+        trained_by: str | None,
     ) -> Decision:
-        from journeyman.backends.live_training import live_run
-
         if action not in ("promote", "reject", "rollback"):
             raise InvalidFieldError("action", action, "one of promote, reject, rollback")
         run = live_run(self.service(model))
         return await run.decide(action, step, reason or "by command", trained_by or "command")
+
+    live = LIVE.implemented_by(_live)
+    report_outcome = REPORT_OUTCOME.implemented_by(_report_outcome)
+    live_status = LIVE_STATUS.implemented_by(_live_status)
+    decide = DECIDE.implemented_by(_decide)
 
     # -- the run directory -------------------------------------------------------------------------
 

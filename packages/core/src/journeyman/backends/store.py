@@ -159,6 +159,7 @@ class RunStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.layout = RunLayout(root)
+        self.history_file = HistoryFile(self.layout.history, self.layout.superseded_history)
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- state -------------------------------------------------------------------------------
@@ -385,7 +386,7 @@ class RunStore:
             lost_from = step if path.parent.name in TRAINING_SPLITS else step + 1
             if path.stem.isdigit() and int(path.stem) >= lost_from:
                 os.replace(path, _free_name(path.parent, f"{path.stem}.superseded"))
-        self._supersede_history(step)
+        self.history_file.supersede(step)
         self._keep_legacy_requests(state)
         for path in self.layout.requests.glob("*"):
             try:
@@ -396,27 +397,6 @@ class RunStore:
                 path.unlink()
         kept = {k: v for k, v in state.items() if k not in ("step", "requests", "last")}
         write_atomic(self.layout.state, dumps({"step": step, **kept}))
-
-    def _supersede_history(self, step: int) -> None:
-        """Move the rows of the steps lost by a rollback to `step` out of history.jsonl."""
-        path = self.layout.history
-        if not path.exists():
-            return
-        self.history()  # repairs a torn last line first
-        kept: list[bytes] = []
-        lost: list[bytes] = []
-        for line in path.read_bytes().splitlines(keepends=True):
-            try:
-                row = json.loads(line)
-            except ValueError:
-                row = None  # kept byte for byte: the reader skips it with a warning
-            (lost if isinstance(row, dict) and _row_lost(row, step) else kept).append(line)
-        if not lost:
-            return
-        log.warning("%d history rows of the lost steps moved to %s", len(lost), SUPERSEDED_HISTORY)
-        # added to the superseded file first: a crash in between duplicates rows there, never loses them
-        _append(self.layout.superseded_history, b"".join(lost))
-        write_atomic(path, b"".join(kept))
 
     def delete_checkpoints(
         self, best_checkpoint_metric: str = "val/reward", keep_latest: bool = True
@@ -509,11 +489,27 @@ class RunStore:
             if line.strip()
         ]
 
-    # -- history -----------------------------------------------------------------------------
+    # -- history (`HistoryFile`) --------------------------------------------------------------
+    def append_history(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Append one row (strict JSON; a NaN metric becomes null) and return it as written."""
+        return self.history_file.append(row)
+
+    def history(self) -> list[dict[str, Any]]:
+        return self.history_file.rows()
+
+
+class HistoryFile:
+    """history.jsonl: one strict-JSON row a step or a log call, appended whole under a lock; a torn
+    last line (a kill mid-append) is repaired, and a rollback moves the lost steps' rows aside."""
+
+    def __init__(self, path: Path, superseded: Path) -> None:
+        self.path = path
+        self.superseded = superseded
+
     @contextmanager
     def _history_fd(self) -> Iterator[int]:
         """history.jsonl open for appending, locked against other appenders and repairers."""
-        fd = os.open(self.layout.history, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield fd
@@ -541,18 +537,18 @@ class RunStore:
             whole = False
         if whole:
             os.write(fd, b"\n")
-            log.warning("%s: the last row had lost its newline; added", self.layout.history)
+            log.warning("%s: the last row had lost its newline; added", self.path)
         else:
             os.ftruncate(fd, start)
             log.warning(
                 "%s: dropped a torn last line (%d bytes, cut off mid-write): %r",
-                self.layout.history,
+                self.path,
                 size - start,
                 tail[:120],
             )
         os.fsync(fd)
 
-    def append_history(self, row: dict[str, Any]) -> dict[str, Any]:
+    def append(self, row: dict[str, Any]) -> dict[str, Any]:
         """Append one row (strict JSON; a NaN metric becomes null) and return it as written."""
         row = finite({"recorded_at": time.time(), **row})
         data = (json.dumps(row, allow_nan=False) + "\n").encode()
@@ -564,10 +560,10 @@ class RunStore:
             os.fsync(fd)
         return row
 
-    def history(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[dict[str, Any]]:
         """Every row of history.jsonl. A torn last line is repaired away and a line that is not a
         JSON object is skipped, each with a warning: a damaged row costs that row, not the run."""
-        path = self.layout.history
+        path = self.path
         if not path.exists():
             return []
         data = path.read_bytes()
@@ -591,6 +587,27 @@ class RunStore:
             else:
                 log.warning("%s line %d is not a JSON object; skipped: %r", path, n, line[:120])
         return rows
+
+    def supersede(self, step: int) -> None:
+        """Move the rows of the steps lost by a rollback to `step` out of history.jsonl."""
+        path = self.path
+        if not path.exists():
+            return
+        self.rows()  # repairs a torn last line first
+        kept: list[bytes] = []
+        lost: list[bytes] = []
+        for line in path.read_bytes().splitlines(keepends=True):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None  # kept byte for byte: the reader skips it with a warning
+            (lost if isinstance(row, dict) and _row_lost(row, step) else kept).append(line)
+        if not lost:
+            return
+        log.warning("%d history rows of the lost steps moved to %s", len(lost), SUPERSEDED_HISTORY)
+        # added to the superseded file first: a crash in between duplicates rows there, never loses them
+        _append(self.superseded, b"".join(lost))
+        write_atomic(path, b"".join(kept))
 
 
 def _check_safetensors(step: int, path: Path) -> None:
