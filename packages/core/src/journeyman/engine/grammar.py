@@ -250,3 +250,24 @@ class GrammarCache:
             # padded LM heads have ids no tokenizer produces: never sample them under a grammar
             view[:, self.vocab_size :] = float("-inf")
         self._xgr.apply_token_bitmask_inplace(view, bitmask.to(logits.device), vocab_size=self.vocab_size)
+
+
+class LazyGrammars:
+    """A `GrammarCache` made on first use, from any thread: xgrammar and its tables of the
+    tokenizer load only when a constrained request comes."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._cache: GrammarCache | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> GrammarCache:
+        with self._lock:
+            if self._cache is None:
+                self._cache = GrammarCache(self._tokenizer, self._vocab_size)
+            return self._cache
+
+    def matcher(self, constraint: Constraint | None) -> Any:
+        """A matcher for one sampled row (None: unconstrained)."""
+        return None if constraint is None else self.get().matcher(constraint)
