@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from journeyman.data.config import TrainConfig, TrainResult
 from journeyman.data.journal import GroupJournal
 from journeyman.data.provenance import oldest_step
-from journeyman.data.types import Outcome, Trajectory, TrajectoryGroup
+from journeyman.data.types import RolloutEnd, Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError, TooManyExceptionsError
 
 if TYPE_CHECKING:
@@ -324,9 +324,9 @@ class _Run(Generic[S]):
         self.timeline.append(TimelineEvent(kind="rollout", start=start, end=self._now(), step=step))
         self.queue.put_nowait((gid, group))
 
-    def _on_result(self, group: TrajectoryGroup, outcome: Outcome) -> None:
+    def _on_result(self, group: TrajectoryGroup, end: RolloutEnd) -> None:
         self.counts["rollouts"] += 1
-        if outcome == "exception":
+        if end == "exception":
             self.counts["exceptions"] += 1
 
     async def _release(self, n: int) -> None:

@@ -73,7 +73,7 @@ def settle_failed_run(
     if not trajectory.records() and not any(h.records() for h in trajectory.additional_histories):
         raise error  # no call reached the endpoint: nothing to train, a rollout that left nothing
     trajectory.error = RolloutException.from_exception(error)
-    trajectory.metrics["errored"] = True  # integrations set False on the rest: `model.log` rows show the fraction
+    trajectory.metrics["errored"] = True  # integrations set False on the rest: `model.log` shows the fraction
     if "reward" not in trajectory.model_fields_set:  # a reward the run set before it raised wins
         trajectory.reward = error_reward(trajectory) if callable(error_reward) else float(error_reward)
     trajectory.log(f"the run raised {type(error).__name__}: {error} (kept: on_error='score')")

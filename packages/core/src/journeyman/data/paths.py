@@ -10,7 +10,7 @@ path instead of joining `"models"` or `"history.jsonl"` themselves:
             checkpoints/<step:04d>/        adapter + optimizer + manifest
             trajectories/<split>/<step:04d>.jsonl
             history.jsonl                  one row of metrics per step or log call
-            history.superseded.jsonl       rows of the steps a rollback lost
+            history.superseded.jsonl       rows of steps lost when a resume fell back past a bad checkpoint
             requests/<key>.json            results of committed train calls, by idempotency key
             state.json                     the commit point: {"step": N, ...}
             wandb/                         the Weights & Biases run, with report_to=["wandb"]

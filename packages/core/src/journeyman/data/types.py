@@ -199,9 +199,11 @@ class Trajectory(History):
         self.logs.append(message)
 
 
-Outcome = Literal["trajectory", "errored", "dropped", "exception"]
+RolloutEnd = Literal["trajectory", "errored", "dropped", "exception"]
 """How one rollout ended: a trajectory; a trajectory of a run that raised (its `error` set); a run
-discarded by its `on_error="drop"` policy; an exception that left nothing."""
+discarded by its `on_error="drop"` policy; an exception that left nothing. ("Outcome" is live
+training's word for an episode's reported result: `journeyman.data.live_types.EpisodeOutcome`.)"""
+Outcome = RolloutEnd  # the old name, kept for code that imports it
 
 
 class TrajectoryGroup(BaseModel):
@@ -274,26 +276,26 @@ class TrajectoryGroup(BaseModel):
         return self._pending
 
     async def resolve(
-        self, on_result: Callable[[TrajectoryGroup, Outcome], None] | None = None
+        self, on_result: Callable[[TrajectoryGroup, RolloutEnd], None] | None = None
     ) -> TrajectoryGroup:
         """Await pending rollouts; each exception is recorded on the group instead of raised."""
 
         async def one(aw: Awaitable[Trajectory]) -> None:
-            outcome: Outcome
+            end: RolloutEnd
             try:
                 t = await aw
                 if not isinstance(t, Trajectory):
                     raise InvalidFieldError("rollout result", t, "a rollout must return a Trajectory")
                 self.trajectories.append(t)
-                outcome = "errored" if t.error is not None else "trajectory"
+                end = "errored" if t.error is not None else "trajectory"
             except RolloutDroppedError as e:
                 self.dropped.append(RolloutException.from_exception(e.error))
-                outcome = "dropped"
+                end = "dropped"
             except Exception as e:
                 self.exceptions.append(RolloutException.from_exception(e))
-                outcome = "exception"
+                end = "exception"
             if on_result is not None:
-                on_result(self, outcome)
+                on_result(self, end)
 
         pending, self._pending = self._pending, []
         await asyncio.gather(*(one(aw) for aw in pending))
@@ -323,6 +325,7 @@ __all__ = [
     "History",
     "MessageOrChoice",
     "Outcome",
+    "RolloutEnd",
     "RolloutException",
     "TokenRecord",
     "Tool",

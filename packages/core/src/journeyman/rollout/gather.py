@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from journeyman.data.types import Outcome, TrajectoryGroup
+from journeyman.data.types import RolloutEnd, TrajectoryGroup
 from journeyman.errors import InvalidFieldError, TooManyExceptionsError
 from journeyman.rollout.observe import GroupContext, emit
 
@@ -43,11 +43,11 @@ async def gather_trajectory_groups(
     limit = max_exceptions * total if 0 < max_exceptions < 1 else max_exceptions
     bar = tqdm(total=total, desc=pbar_desc, disable=pbar_desc is None, unit="rollout")
     rewards: list[float] = []
-    counts: dict[Outcome, int] = {"trajectory": 0, "errored": 0, "dropped": 0, "exception": 0}
+    counts: dict[RolloutEnd, int] = {"trajectory": 0, "errored": 0, "dropped": 0, "exception": 0}
 
-    def on_result(group: TrajectoryGroup, outcome: Outcome) -> None:
-        counts[outcome] += 1
-        if outcome in ("trajectory", "errored"):
+    def on_result(group: TrajectoryGroup, end: RolloutEnd) -> None:
+        counts[end] += 1
+        if end in ("trajectory", "errored"):
             rewards.append(group.trajectories[-1].reward)
         shown: dict[str, object] = {
             "reward": f"{sum(rewards) / max(1, len(rewards)):.3f}",
