@@ -74,6 +74,25 @@ def langfuse_receiver() -> Any:
     return sys.modules["langfuse_receiver"]
 
 
+def check_public_names(package: str, test_file: str) -> None:
+    """`package.__all__` is exactly the names pinned in `public_names.txt` beside `test_file` (one a
+    line, sorted), and each of them resolves: a package's API changes only on purpose, in that file."""
+    import importlib
+
+    module = importlib.import_module(package)
+    pin = Path(test_file).with_name("public_names.txt")
+    pinned = pin.read_text().split()
+    assert pinned == sorted(set(pinned)), f"{pin}: keep the names sorted, each once"
+    exported = sorted(module.__all__)
+    added, removed = sorted(set(exported) - set(pinned)), sorted(set(pinned) - set(exported))
+    assert exported == pinned, (
+        f"{package}.__all__ differs from {pin}: added {added}, removed {removed}"
+        " (or a name listed twice); change the pin when the API changes on purpose"
+    )
+    for name in exported:
+        assert getattr(module, name) is not None, f"{package}.{name} is None"
+
+
 def weather_tools(cities: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """[get_weather], its `city` limited to `cities` when given (a fresh copy each call)."""
     tool = copy.deepcopy(WEATHER_TOOL)

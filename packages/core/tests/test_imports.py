@@ -1,80 +1,39 @@
-"""The public names of journeyman, and what `import journeyman` costs: the API changes only on purpose."""
+"""The public names of journeyman (pinned in public_names.txt beside this file), and what `import journeyman`
+costs: the API changes only on purpose."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import journeyman
 import pytest
+from _support import check_public_names
 
 
 def test_public_names() -> None:
-    assert sorted(journeyman.__all__) == [
-        "AuthenticationError",
-        "Backend",
-        "BackendUnavailableError",
-        "BaseModelNotFoundError",
-        "CAPTURE_HEADER",
-        "Capture",
-        "CapturedCall",
-        "ChatTemplateError",
-        "CheckpointError",
-        "DEFAULT_BASE_MODEL",
-        "EmptyGroupError",
-        "EngineDownError",
-        "EngineTimeoutError",
-        "GateConfig",
-        "History",
-        "ImpossiblePlanError",
-        "Inference",
-        "InvalidFieldError",
-        "JourneymanError",
-        "LiveBackend",
-        "LiveConfig",
-        "LiveStatus",
-        "LocalBackend",
-        "LoraConfig",
-        "ModelConfig",
-        "NoTrainableTokensError",
-        "OnError",
-        "PipelineConfig",
-        "PipelineResult",
-        "PipelineTrainer",
-        "ProtocolMismatchError",
-        "RemoteBackend",
-        "RemoteError",
-        "RolloutDroppedError",
-        "RolloutException",
-        "RulerConfig",
-        "RulerJudgeError",
-        "SFTConfig",
-        "TokenRecord",
-        "TooManyExceptionsError",
-        "Tracker",
-        "TrainConfig",
-        "TrainResult",
-        "TrainableModel",
-        "TrainerConfig",
-        "TrainerRankError",
-        "Trajectory",
-        "TrajectoryGroup",
-        "UnknownModelError",
-        "VLLMConfig",
-        "WakeMemoryError",
-        "capture_scope",
-        "current_backend",
-        "gather_trajectory_groups",
-        "open_backend",
-        "read_trajectories",
-        "record_of",
-        "ruler_score_group",
-        "write_trajectories",
-    ]
-    for name in journeyman.__all__:
-        assert getattr(journeyman, name) is not None
+    check_public_names("journeyman", __file__)
+
+
+def test_the_pin_fails_on_a_name_added_removed_or_listed_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check every package's test_imports.py shares (`_support.check_public_names`)."""
+    (tmp_path / "public_names.txt").write_text("a\nb\n")
+    package = types.SimpleNamespace(a=1, b=2, c=3, __all__=["b", "a"])
+    monkeypatch.setitem(sys.modules, "pinned_package", package)
+    test_file = str(tmp_path / "test_imports.py")
+    check_public_names("pinned_package", test_file)
+    for exported, why in ((["a", "b", "c"], r"added \['c'\], removed \[\]"), (["a"], r"removed \['b'\]")):
+        package.__all__ = exported
+        with pytest.raises(AssertionError, match=why):
+            check_public_names("pinned_package", test_file)
+    package.__all__ = ["a", "b", "b"]
+    with pytest.raises(AssertionError, match="listed twice"):
+        check_public_names("pinned_package", test_file)
 
 
 # Run in a fresh interpreter: this test process has long since imported torch for other tests.
