@@ -8,7 +8,7 @@ dropped), custom tools with `input_schema`, `tool_choice` (auto / any / tool / n
 `tool` are grammar-constrained, as the chat route's `required` and named choice are),
 `stop_sequences` (the one that matched comes back as `stop_sequence`), `max_tokens` (required, as
 Anthropic has it), `temperature`, `top_p`, and `stream` (Anthropic's event sequence: the text as it
-is sampled, then the tool_use blocks and the stop reason; see `_live`). Accepted and ignored:
+is sampled, then the tool_use blocks and the stop reason; see `_MessagesCall`). Accepted and ignored:
 `top_k`, `metadata`, `thinking`, `service_tier`, `cache_control` on blocks. Not supported (refused
 by name): image and document blocks, server tools, and a final assistant turn (prefill).
 
@@ -23,22 +23,19 @@ Errors are Anthropic's: `{"type": "error", "error": {"type": "invalid_request_er
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from collections.abc import Iterator
+from typing import Any, Literal, cast
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from journeyman.errors import InvalidFieldError
-from journeyman.serving.openai_http import JsonSchema, ToolName, handle_json, invalid_field
-from journeyman.serving.streaming import Streams
-
-EVENTS = "text/event-stream"
+from journeyman.serving.openai_http import JsonSchema, ToolName, invalid_field
+from journeyman.serving.streaming import Streams, add_translated_route, named_event
 
 # Anthropic's error type for each status this route answers
 ERROR_TYPES = {
@@ -130,17 +127,20 @@ def _text_blocks(content: Any, field: str) -> str:
     if not isinstance(content, list):
         raise InvalidFieldError(field, content, "must be a string or a list of text blocks")
     texts = []
-    for j, block in enumerate(content):
-        if _block_type(block, f"{field}[{j}]") != "text":
-            raise InvalidFieldError(f"{field}[{j}].type", block.get("type"), "only text blocks are supported")
-        texts.append(_text(block, f"{field}[{j}]"))
+    for where, kind, block in _blocks(content, field):
+        if kind != "text":
+            raise InvalidFieldError(f"{where}.type", kind, "only text blocks are supported")
+        texts.append(_text(block, where))
     return "\n\n".join(texts) if field == "system" else "".join(texts)
 
 
-def _block_type(block: Any, field: str) -> str:
-    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-        raise InvalidFieldError(field, block, 'each content block must be an object with a "type"')
-    return block["type"]
+def _blocks(blocks: list[Any], field: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """Each content block with the field that names it (`messages[2].content[1]`) and its type."""
+    for j, block in enumerate(blocks):
+        where = f"{field}[{j}]"
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise InvalidFieldError(where, block, 'each content block must be an object with a "type"')
+        yield where, block["type"], cast(dict[str, Any], block)
 
 
 def _text(block: dict[str, Any], field: str) -> str:
@@ -197,9 +197,7 @@ def chat_messages(system: Any, messages: list[Any]) -> list[dict[str, Any]]:
 def _assistant_turn(blocks: list[Any], field: str) -> dict[str, Any]:
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
-    for j, block in enumerate(blocks):
-        where = f"{field}[{j}]"
-        kind = _block_type(block, where)
+    for where, kind, block in _blocks(blocks, field):
         if kind == "text":
             texts.append(_text(block, where))
         elif kind == "tool_use":
@@ -229,9 +227,7 @@ def _assistant_turn(blocks: list[Any], field: str) -> dict[str, Any]:
 def _user_turn(blocks: list[Any], field: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     texts: list[str] = []
-    for j, block in enumerate(blocks):
-        where = f"{field}[{j}]"
-        kind = _block_type(block, where)
+    for where, kind, block in _blocks(blocks, field):
         if kind == "text":
             texts.append(_text(block, where))
         elif kind == "tool_result":
@@ -347,10 +343,6 @@ def message_from_chat(completion: dict[str, Any], mid: str) -> dict[str, Any]:
     }
 
 
-def _sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-
-
 def _started(message: dict[str, Any]) -> dict[str, Any]:
     """`message_start`: the message with no content and no stop reason yet."""
     usage = {"input_tokens": message["usage"]["input_tokens"], "output_tokens": 0}
@@ -393,100 +385,70 @@ def events_of(message: dict[str, Any]) -> list[dict[str, Any]]:
     return [*events, *_ending(message)]
 
 
-async def _lines(events: list[dict[str, Any]]) -> AsyncIterator[str]:
-    for e in events:
-        yield _sse(e)
+class _MessagesCall:
+    """One `/v1/messages` request (`add_translated_route`). Streamed: `message_start` and the text
+    block open with the first text, each delta follows, and what only the whole completion says (the
+    rest of the text, tool_use blocks, the stop reason, usage) comes at the end."""
 
+    def __init__(self, body: dict[str, Any]) -> None:
+        req = messages_request(body)
+        self.chat = chat_request(req)
+        self.response_id = new_message_id()
+        self.stream = req.stream
 
-async def _answered(task: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
-    """The chat completion, its field errors named as this route's request spells them."""
-    try:
-        return await task
-    except InvalidFieldError as e:
-        raise InvalidFieldError(messages_field(e.field), e.value, e.reason) from None
+    def field(self, chat_field: str) -> str:
+        return messages_field(chat_field)
 
+    def answer(self, completion: dict[str, Any]) -> dict[str, Any]:
+        return message_from_chat(completion, self.response_id)
 
-async def _live(
-    endpoint: Streams, chat: dict[str, Any], capture_id: str | None, mid: str
-) -> StreamingResponse:
-    """The message's events as the text is sampled (the chat route's `on_text`): `message_start` and
-    the text block open with the first text, each delta follows, and what only the whole completion
-    says (the rest of the text, tool_use blocks, the stop reason, usage) comes at the end. An error
-    before any text is the request's error; after it, the stream ends with an `error` event."""
-    queue: asyncio.Queue[str | None] = asyncio.Queue()
+    def whole(self, completion: dict[str, Any]) -> list[str]:
+        return [named_event(e) for e in events_of(self.answer(completion))]
 
-    def on_text(index: int, delta: str) -> None:
-        if index == 0:
-            queue.put_nowait(delta)
-
-    task = asyncio.ensure_future(endpoint.chat_completion(chat, capture_id, response_id=mid, on_text=on_text))
-    task.add_done_callback(lambda _: queue.put_nowait(None))
-    first = await queue.get()
-    if first is None:
-        return StreamingResponse(
-            _lines(events_of(message_from_chat(await _answered(task), mid))), media_type=EVENTS
-        )
-
-    async def events() -> AsyncIterator[str]:
+    def opened(self, index: int) -> list[str]:
         # input tokens are counted once the prompt is rendered: `message_delta` carries them
         opened = {
-            "id": mid,
+            "id": self.response_id,
             "type": "message",
             "role": "assistant",
-            "model": chat["model"],
+            "model": self.chat["model"],
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
             "usage": {"input_tokens": 0, "output_tokens": 0},
         }
-        yield _sse({"type": "message_start", "message": opened})
-        yield _sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-        sent, delta = "", first
-        while delta is not None:
-            sent += delta
-            yield _sse(
-                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": delta}}
-            )
-            delta = await queue.get()
-        try:
-            message = message_from_chat(await _answered(task), mid)
-        except Exception as e:  # after text was sent: the stream ends with the error
-            yield _sse(error_body(504 if isinstance(e, TimeoutError) else 500, str(e)))
-            return
+        block = {"type": "text", "text": ""}
+        return [
+            named_event({"type": "message_start", "message": opened}),
+            named_event({"type": "content_block_start", "index": index, "content_block": block}),
+        ]
+
+    def delta(self, index: int, text: str) -> str:
+        return named_event(_text_delta(index, text))
+
+    def ending(self, completion: dict[str, Any], sent: dict[int, str]) -> list[str]:
+        message = self.answer(completion)
         text = message["content"][0]["text"] if message["content"][0]["type"] == "text" else ""
-        rest = text[len(sent) :] if text.startswith(sent) else ""
-        if rest:
-            yield _sse(
-                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": rest}}
-            )
-        yield _sse({"type": "content_block_stop", "index": 0})
+        already = sent.get(0, "")
+        rest = text[len(already) :] if text.startswith(already) else ""
+        events = [_text_delta(0, rest)] if rest else []
+        events.append({"type": "content_block_stop", "index": 0})
         for i, block in enumerate(message["content"]):
             if block["type"] == "tool_use":
-                for e in _block_events(i, block):
-                    yield _sse(e)
-        for e in _ending(message):
-            yield _sse(e)
+                events += _block_events(i, block)
+        return [named_event(e) for e in [*events, *_ending(message)]]
 
-    return StreamingResponse(events(), media_type=EVENTS)
+    def error(self, e: Exception) -> str:
+        return named_event(error_body(504 if isinstance(e, TimeoutError) else 500, str(e)))
+
+
+def _text_delta(index: int, text: str) -> dict[str, Any]:
+    return {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}}
 
 
 def add_routes(app: FastAPI, endpoint: Streams) -> None:
     """Register `POST /v1/messages` on the endpoint's app."""
-
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Any:
-        async def handle(body: dict[str, Any], capture_id: str | None) -> Any:
-            mid = new_message_id()
-            req = messages_request(body)
-            chat = chat_request(req)
-            if req.stream:
-                return await _live(endpoint, chat, capture_id, mid)
-            completion = await _answered(
-                asyncio.ensure_future(endpoint.chat_completion(chat, capture_id, response_id=mid))
-            )
-            return message_from_chat(completion, mid)
-
-        return await handle_json(request, handle, error=anthropic_error)
+    add_translated_route(app, "/v1/messages", endpoint, _MessagesCall, error=anthropic_error)
 
 
 __all__ = [

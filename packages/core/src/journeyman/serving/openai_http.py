@@ -28,7 +28,6 @@ from pydantic import (
     Tag,
     ValidationError,
     ValidationInfo,
-    field_validator,
 )
 
 from journeyman.chat.messages import json_depth
@@ -125,7 +124,8 @@ class NamedToolChoice(BaseModel):
 ToolChoiceMode = Literal["auto", "none", "required"]
 
 
-def _string_or_object(value: Any) -> str | None:
+def string_or_object(value: Any) -> str | None:
+    """A `tool_choice` union's branch: `<mode>` for a string, `<object>` for a named choice."""
     return "<mode>" if isinstance(value, str) else "<object>" if isinstance(value, dict) else None
 
 
@@ -133,12 +133,22 @@ def _string_or_object(value: Any) -> str | None:
 ToolChoice = Annotated[
     Annotated[ToolChoiceMode, Tag("<mode>")] | Annotated[NamedToolChoice, Tag("<object>")],
     Discriminator(
-        _string_or_object,
+        string_or_object,
         custom_error_type="tool_choice",
         custom_error_message='use "auto", "none", "required" or {"type": "function", "function": {"name": ..}}',
     ),
 ]
 """`tool_choice`: auto, none, required, or `{"type": "function", "function": {"name": ..}}`."""
+
+
+def _given_for_json_schema(value: Any, info: ValidationInfo) -> Any:
+    if value is None and info.data.get("type") == "json_schema":
+        raise ValueError("is required when type is json_schema")
+    return value
+
+
+RequiredForJsonSchema = AfterValidator(_given_for_json_schema)
+"""A format's schema field, required when its `type` is json_schema (with `validate_default`)."""
 
 
 class JsonSchemaFormat(BaseModel):
@@ -158,14 +168,9 @@ class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = Field(default=None, validate_default=True)
-
-    @field_validator("json_schema")
-    @classmethod
-    def _given_for_json_schema(cls, value: JsonSchemaFormat | None, info: ValidationInfo) -> Any:
-        if value is None and info.data.get("type") == "json_schema":
-            raise ValueError("is required when type is json_schema")
-        return value
+    json_schema: Annotated[JsonSchemaFormat | None, RequiredForJsonSchema] = Field(
+        default=None, validate_default=True
+    )
 
 
 class StreamOptions(BaseModel):

@@ -7,7 +7,7 @@ Supported: `instructions`, `input` as a string or as items (messages with text p
 `tool_choice` (auto / none / required / a named function, the last two grammar-constrained),
 `text.format` (json_schema / json_object / text), `max_output_tokens`, `temperature`, `top_p`,
 and `stream` (the message's text as it is sampled, then what only the whole response says: see
-`_live`). A reasoning model's thinking (Qwen3's `<think>` block) comes back as a `reasoning` output
+`_ResponsesCall`). A reasoning model's thinking (Qwen3's `<think>` block) comes back as a `reasoning` output
 item before the message, its text as `reasoning_text` content, as vLLM returns it (`summary` stays
 empty: nothing summarizes it). Not supported:
 `previous_response_id` / `conversation` (no responses are stored) and hosted tools.
@@ -20,32 +20,25 @@ call carries the Responses id as `CapturedCall.response_id`). The response also 
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-)
+from fastapi import FastAPI
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from journeyman.chat.messages import ROLES, text_of, tool_arguments
 from journeyman.errors import InvalidFieldError
-from journeyman.serving.openai_http import JsonSchema, ToolChoiceMode, ToolName, handle_json, invalid_field
-from journeyman.serving.streaming import Streams
+from journeyman.serving.openai_http import (
+    JsonSchema,
+    RequiredForJsonSchema,
+    ToolChoiceMode,
+    ToolName,
+    invalid_field,
+    string_or_object,
+)
+from journeyman.serving.streaming import Streams, add_translated_route, named_event
 
 _MESSAGE_ROLES = ROLES - {"tool"}  # tool results arrive as function_call_output items
 
@@ -78,7 +71,7 @@ class NamedFunctionChoice(BaseModel):
 ResponsesToolChoice = Annotated[
     Annotated[ToolChoiceMode, Tag("<mode>")] | Annotated[NamedFunctionChoice, Tag("<object>")],
     Discriminator(
-        lambda v: "<mode>" if isinstance(v, str) else "<object>" if isinstance(v, dict) else None,
+        string_or_object,
         custom_error_type="tool_choice",
         custom_error_message='use "auto", "none", "required" or {"type": "function", "name": ..}',
     ),
@@ -93,15 +86,10 @@ class TextFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
-    schema_: JsonSchema | None = Field(default=None, alias="schema", validate_default=True)
+    schema_: Annotated[JsonSchema | None, RequiredForJsonSchema] = Field(
+        default=None, alias="schema", validate_default=True
+    )
     strict: bool | None = None
-
-    @field_validator("schema_")
-    @classmethod
-    def _given_for_json_schema(cls, value: dict[str, Any] | None, info: ValidationInfo) -> Any:
-        if value is None and info.data.get("type") == "json_schema":
-            raise ValueError("is required when type is json_schema")
-        return value
 
 
 class TextConfig(BaseModel):
@@ -384,7 +372,7 @@ def response_from_chat(completion: dict[str, Any], body: dict[str, Any], rid: st
 
 def _events(response: dict[str, Any], streamed: str | None = None, start: int = 0) -> list[dict[str, Any]]:
     """The stream events of a finished response, in the order OpenAI sends them, numbered from
-    `start`. `streamed`: the text of its message already sent (`_live`), whose opening events and
+    `start`. `streamed`: the text of its message already sent (`_ResponsesCall`), whose opening events and
     deltas are not repeated."""
     pending = {**response, "status": "in_progress", "output": [], "incomplete_details": None}
     events: list[dict[str, Any]] = []
@@ -477,100 +465,62 @@ def _text_delta(item_id: str, i: int, delta: str) -> dict[str, Any]:
     }
 
 
-def _sse_line(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+class _ResponsesCall:
+    """One `/v1/responses` request (`add_translated_route`). Streamed: its message is opened with
+    the first text, each delta follows, and what only the whole completion says (the rest of the
+    text, function calls, usage) comes at the end; every event is numbered, in order."""
 
+    def __init__(self, body: dict[str, Any]) -> None:
+        req = responses_request(body)
+        self.chat = _chat_request(req)
+        self.response_id = new_response_id()
+        self.stream = req.stream
+        self._body = body
+        self._n = 0  # the next event's sequence_number
+        self._message_id = ""
 
-async def _sse(response: dict[str, Any]) -> AsyncIterator[str]:
-    for e in _events(response):
-        yield _sse_line(e)
+    def field(self, chat_field: str) -> str:
+        return responses_field(chat_field)
 
+    def answer(self, completion: dict[str, Any]) -> dict[str, Any]:
+        return response_from_chat(completion, self._body, self.response_id)
 
-async def _live(
-    endpoint: Streams, chat: dict[str, Any], body: dict[str, Any], capture_id: str | None, rid: str
-) -> StreamingResponse:
-    """The response's events as the text is sampled (the chat route's `on_text`): its message is
-    opened with the first text, each delta follows, and what only the whole completion says (the
-    rest of the text, function calls, usage) comes at the end. An error before any text is the
-    request's error; after it, the stream ends with an error event."""
-    queue: asyncio.Queue[str | None] = asyncio.Queue()
+    def whole(self, completion: dict[str, Any]) -> list[str]:
+        return [named_event(e) for e in _events(self.answer(completion))]
 
-    def on_text(index: int, delta: str) -> None:
-        if index == 0:
-            queue.put_nowait(delta)
-
-    task = asyncio.ensure_future(endpoint.chat_completion(chat, capture_id, response_id=rid, on_text=on_text))
-    task.add_done_callback(lambda _: queue.put_nowait(None))
-    first = await queue.get()
-    if first is None:
-        return StreamingResponse(
-            _sse(response_from_chat(await _answered(task), body, rid)), media_type=EVENTS
+    def opened(self, index: int) -> list[str]:
+        empty = {"choices": [{"message": {"content": ""}, "finish_reason": "stop", "journeyman": None}]}
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        skeleton = self.answer(
+            {**empty, "usage": usage, "created": int(time.time()), "model": self.chat["model"]}
         )
-    empty = {"choices": [{"message": {"content": ""}, "finish_reason": "stop", "journeyman": None}]}
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    skeleton = response_from_chat(
-        {**empty, "usage": usage, "created": int(time.time()), "model": chat["model"]}, body, rid
-    )
-    pending = {**skeleton, "status": "in_progress", "output": [], "usage": None}
-    message = skeleton["output"][0]
-
-    async def events() -> AsyncIterator[str]:
+        pending = {**skeleton, "status": "in_progress", "output": [], "usage": None}
+        message = skeleton["output"][0]
+        self._message_id = message["id"]
         head = [
             {"type": "response.created", "response": pending},
             {"type": "response.in_progress", "response": pending},
-            *_message_opened(message, 0),
+            *_message_opened(message, index),
         ]
-        n = 0
-        for e in head:
-            yield _sse_line({**e, "sequence_number": n})
-            n += 1
-        sent, delta = "", first
-        while delta is not None:
-            sent += delta
-            yield _sse_line({**_text_delta(message["id"], 0, delta), "sequence_number": n})
-            n += 1
-            delta = await queue.get()
-        try:
-            response = response_from_chat(await _answered(task), body, rid)
-        except Exception as e:  # after text was sent: the stream ends with the error
-            yield _sse_line(
-                {"type": "error", "message": str(e), "code": type(e).__name__, "sequence_number": n}
-            )
-            return
-        for e in _events(response, sent, n):
-            yield _sse_line(e)
+        return [self._numbered(e) for e in head]
 
-    return StreamingResponse(events(), media_type=EVENTS)
+    def delta(self, index: int, text: str) -> str:
+        return self._numbered(_text_delta(self._message_id, index, text))
 
+    def ending(self, completion: dict[str, Any], sent: dict[int, str]) -> list[str]:
+        return [named_event(e) for e in _events(self.answer(completion), sent.get(0, ""), self._n)]
 
-async def _answered(task: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
-    """The chat completion, its field errors named as this route's request spells them."""
-    try:
-        return await task
-    except InvalidFieldError as e:
-        raise InvalidFieldError(responses_field(e.field), e.value, e.reason) from None
+    def error(self, e: Exception) -> str:
+        return self._numbered({"type": "error", "message": str(e), "code": type(e).__name__})
 
-
-EVENTS = "text/event-stream"
+    def _numbered(self, event: dict[str, Any]) -> str:
+        self._n += 1
+        return named_event({**event, "sequence_number": self._n - 1})
 
 
 def add_routes(app: FastAPI, endpoint: Streams) -> None:
     """Register `POST /v1/responses` on the endpoint's app."""
-
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Any:
-        async def handle(body: dict[str, Any], capture_id: str | None) -> Any:
-            rid = new_response_id()
-            req = responses_request(body)
-            chat = _chat_request(req)
-            if req.stream:
-                return await _live(endpoint, chat, body, capture_id, rid)
-            completion = await _answered(
-                asyncio.ensure_future(endpoint.chat_completion(chat, capture_id, response_id=rid))
-            )
-            return response_from_chat(completion, body, rid)
-
-        return await handle_json(request, handle)
+    add_translated_route(app, "/v1/responses", endpoint, _ResponsesCall)
 
 
 __all__ = [

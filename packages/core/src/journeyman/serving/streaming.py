@@ -8,6 +8,10 @@ opening marker, or a prefix of it at the end), a stop string or its start, a cha
 decoded, and whitespace at either end (a message's content is stripped). A family that writes
 reasoning, or calls without an opening marker, streams nothing early: its completion is sent whole,
 in chunks, at the end. The final content must start with what was sent; what is left of it follows.
+
+`stream_events` carries that text to the client, the same way for every route: each API (the chat
+route's chunks, Responses' and Messages' events) only says how it writes each part (`StreamEvents`).
+`add_translated_route` serves an API that answers through a chat completion (Responses, Messages).
 """
 
 from __future__ import annotations
@@ -17,14 +21,30 @@ import copy
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from journeyman.chat.formats import ChatFormat
+from journeyman.errors import InvalidFieldError
+from journeyman.serving.openai_http import ErrorResponse, error_response, handle_json
 
-__all__ = ["OnText", "Streams", "TextDeltas", "final_chunks", "stream_chat_completion", "streaming_tokenizer"]
+__all__ = [
+    "EVENTS",
+    "OnText",
+    "StreamEvents",
+    "Streams",
+    "TextDeltas",
+    "Translated",
+    "add_translated_route",
+    "final_chunks",
+    "named_event",
+    "stream_chat_completion",
+    "stream_events",
+    "streaming_tokenizer",
+]
 
 # Called with (choice index, text delta) on the event loop as a completion's text grows.
 OnText = Callable[[int, str], None]
@@ -104,54 +124,166 @@ class Streams(Protocol):
     ) -> dict[str, Any]: ...
 
 
-async def stream_chat_completion(
-    served: Streams, body: dict[str, Any], capture_id: str | None, include_usage: bool
+class StreamEvents(Protocol):
+    """How one API writes a streamed completion as server-sent event lines (`stream_events`)."""
+
+    def whole(self, completion: dict[str, Any]) -> list[str]:
+        """Every line of a completion that finished before any of its text was sampled."""
+        ...
+
+    def opened(self, index: int) -> list[str]:
+        """The lines that go before choice `index`'s first text."""
+        ...
+
+    def delta(self, index: int, text: str) -> str:
+        """The line for text just sampled in choice `index`."""
+        ...
+
+    def ending(self, completion: dict[str, Any], sent: dict[int, str]) -> list[str]:
+        """What only the finished completion says, after the text `sent` per choice."""
+        ...
+
+    def error(self, e: Exception) -> str:
+        """The line that ends a stream whose completion failed after text was sent."""
+        ...
+
+
+async def stream_events(
+    complete: Callable[[OnText], Awaitable[dict[str, Any]]], events: StreamEvents
 ) -> StreamingResponse:
-    """The completion as OpenAI stream chunks, its text as it is sampled. An error before any text
-    is the request's error (a 4xx or 5xx answer); one after it ends the stream with an error event."""
+    """The one bridge from a chat completion's text, as it is sampled (`complete(on_text)`), to an
+    API's event stream (`events`: the chat route's chunks, Responses' or Messages' events). An error
+    before any text is the request's error (a 4xx or 5xx answer); one after it ends the stream with
+    `events.error`. A completion done before any text was sent goes whole."""
     queue: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
-    task = asyncio.ensure_future(
-        served.chat_completion(body, capture_id, on_text=lambda i, d: queue.put_nowait((i, d)))
-    )
+    task = asyncio.ensure_future(complete(lambda i, d: queue.put_nowait((i, d))))
     task.add_done_callback(lambda _: queue.put_nowait(None))
     first = await queue.get()
     if first is None:
-        return StreamingResponse(_lines(final_chunks(task.result(), {}, include_usage)), media_type=EVENTS)
-    # the chunks sent before the completion is done carry what the finished one will
-    head = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": str(body.get("model")),
-    }
+        return StreamingResponse(_lines(events.whole(await task)), media_type=EVENTS)
 
-    async def chunks() -> AsyncIterator[str]:
+    async def lines() -> AsyncIterator[str]:
         sent: dict[int, str] = {}
         item = first
         while item is not None:
             i, delta = item
             if i not in sent:
-                yield _chunk(head, i, {"role": "assistant", "content": ""})
+                for line in events.opened(i):
+                    yield line
             sent[i] = sent.get(i, "") + delta
-            yield _chunk(head, i, {"content": delta})
+            yield events.delta(i, delta)
             item = await queue.get()
         try:
-            response = task.result()
+            completion = await task
         except Exception as e:  # after text was sent: the stream ends with the error
-            yield "data: " + json.dumps({"error": {"message": str(e), "type": type(e).__name__}}) + "\n\n"
+            yield events.error(e)
             return
-        for line in final_chunks({**response, **head}, sent, include_usage):
+        for line in events.ending(completion, sent):
             yield line
 
-    return StreamingResponse(chunks(), media_type=EVENTS)
+    return StreamingResponse(lines(), media_type=EVENTS)
 
 
 EVENTS = "text/event-stream"
 
 
+class Translated(StreamEvents, Protocol):
+    """One request to a route that answers through a chat completion of the same endpoint
+    (`/v1/responses`, `/v1/messages`): the chat body it translates into, and how the route names a
+    field, answers and streams (`add_translated_route`)."""
+
+    chat: dict[str, Any]  # the chat-completions body equivalent to the request
+    response_id: str  # the id the route answers with, filed with the capture
+    stream: bool
+
+    def field(self, chat_field: str) -> str:
+        """A chat-route field name as this route's request spells it (for its errors)."""
+        ...
+
+    def answer(self, completion: dict[str, Any]) -> dict[str, Any]:
+        """The route's answer for a finished chat completion."""
+        ...
+
+
+def add_translated_route(
+    app: FastAPI,
+    path: str,
+    served: Streams,
+    translate: Callable[[dict[str, Any]], Translated],
+    error: ErrorResponse = error_response,
+) -> None:
+    """Register `POST path`, answered by translating each request body (`translate`) into a chat
+    completion of `served`: one data path (the same splicing of sampled turns, token records and
+    capture filing) for every API, streamed or not. Errors are shaped by `error`."""
+
+    async def handle(body: dict[str, Any], capture_id: str | None) -> Any:
+        call = translate(body)
+
+        async def complete(on_text: OnText | None = None) -> dict[str, Any]:
+            try:
+                return await served.chat_completion(
+                    call.chat, capture_id, response_id=call.response_id, on_text=on_text
+                )
+            except InvalidFieldError as e:  # named as the route's request spells the field
+                raise InvalidFieldError(call.field(e.field), e.value, e.reason) from None
+
+        if call.stream:
+            return await stream_events(complete, call)
+        return call.answer(await complete())
+
+    async def route(request: Request) -> Any:
+        return await handle_json(request, handle, error=error)
+
+    app.post(path, name=path.rsplit("/", 1)[-1])(route)  # the name: the operation's id in /openapi.json
+
+
+def named_event(event: dict[str, Any]) -> str:
+    """An event as the Responses and Messages APIs stream it: its type, then its JSON."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
 async def _lines(lines: list[str]) -> AsyncIterator[str]:
     for line in lines:
         yield line
+
+
+class _ChatChunks:
+    """The chat route's stream: OpenAI's `chat.completion.chunk`s, one per delta, every choice."""
+
+    def __init__(self, model: str, include_usage: bool) -> None:
+        # the chunks sent before the completion is done carry what the finished one will
+        self._head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self._include_usage = include_usage
+
+    def whole(self, completion: dict[str, Any]) -> list[str]:
+        return final_chunks(completion, {}, self._include_usage)
+
+    def opened(self, index: int) -> list[str]:
+        return [_chunk(self._head, index, {"role": "assistant", "content": ""})]
+
+    def delta(self, index: int, text: str) -> str:
+        return _chunk(self._head, index, {"content": text})
+
+    def ending(self, completion: dict[str, Any], sent: dict[int, str]) -> list[str]:
+        return final_chunks({**completion, **self._head}, sent, self._include_usage)
+
+    def error(self, e: Exception) -> str:
+        return "data: " + json.dumps({"error": {"message": str(e), "type": type(e).__name__}}) + "\n\n"
+
+
+async def stream_chat_completion(
+    served: Streams, body: dict[str, Any], capture_id: str | None, include_usage: bool
+) -> StreamingResponse:
+    """The completion as OpenAI stream chunks, its text as it is sampled (`stream_events`)."""
+    return await stream_events(
+        lambda on_text: served.chat_completion(body, capture_id, on_text=on_text),
+        _ChatChunks(str(body.get("model")), include_usage),
+    )
 
 
 def _chunk(
