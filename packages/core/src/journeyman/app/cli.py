@@ -32,12 +32,23 @@ app.add_typer(langfuse_app, name="langfuse")  # `journeyman langfuse pull|train`
 
 # Options that set a model's fields are derived from them (help, default, type): see app/options.py.
 BASE_MODEL = Fields(ModelConfig, only=["base_model"])
+DEMO_MODEL = Fields(ModelConfig, only=["name"], defaults={"name": "demo"})
+SFT_MODEL = Fields(
+    ModelConfig, only=["name", "project", "base_model"], defaults={"name": "sft", "project": "cli"}
+)
 SFT = Fields(SFTConfig, panel="Fine-tuning (SFTConfig)")
 DEMO_TRAIN = Fields(TrainConfig, only=["learning_rate"], defaults={"learning_rate": 2e-4})  # run_demo's rate
 TRAINER = Fields(TrainerConfig, only=["world_size"])
 PLAN_SETUP = Fields(TrainingSetup, exclude=["lora"], panel="Training")
 PLAN_LORA = Fields(LoraConfig, only=["r"], prefix="lora_", panel="Training")
 PLAN_LAYOUT = Fields(Layout, exclude=["device", "cpu_kv_cache_gib"], panel="Layout")
+# Options no model field holds, written once for the commands that take them.
+_BACKEND = Annotated[
+    str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
+]
+_SERVER_TOKEN = Annotated[
+    str | None, typer.Option(help="the server's API token (default: $JOURNEYMAN_TOKEN)")
+]
 
 
 @app.command()
@@ -89,29 +100,26 @@ def chat(
 
 
 @app.command()
-@with_fields(train=DEMO_TRAIN, trainer=TRAINER)
+@with_fields(model=DEMO_MODEL, train=DEMO_TRAIN, trainer=TRAINER)
 def demo(
     steps: Annotated[int, typer.Option(help="training steps")] = 10,
     prompts_per_step: Annotated[int, typer.Option(help="scenarios per step")] = 8,
     group_size: Annotated[int, typer.Option(help="rollouts per scenario (the GRPO group)")] = 4,
     eval_prompts: Annotated[int, typer.Option(help="held-out prompts evaluated before and after")] = 32,
     path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
-    name: Annotated[
-        str, typer.Option(help="model name (a new name starts fresh; the same name resumes)")
-    ] = "demo",
-    backend: Annotated[
-        str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
-    ] = None,
-    token: Annotated[str | None, typer.Option(help="the server's API token (default: $JOURNEYMAN_TOKEN)")] = None,
+    backend: _BACKEND = None,
+    token: _SERVER_TOKEN = None,
     pipeline: Annotated[
         bool,
         typer.Option(help="train with the asynchronous PipelineTrainer: rollouts go on while a step trains"),
     ] = False,
     *,
+    model: dict[str, Any],
     train: dict[str, Any],
     trainer: dict[str, Any],
 ) -> None:
     """Train the embedded model on the CPU for a few minutes on a built-in task, and show that it learned."""
+    name = DEMO_MODEL.build(model, project="journeyman-demo").name  # run_demo's project
     learning_rate = DEMO_TRAIN.build(train).learning_rate
     world_size = TRAINER.build(trainer).world_size
     from tqdm.auto import tqdm
@@ -219,7 +227,7 @@ def view(
 
 
 @app.command()
-@with_fields(identity=BASE_MODEL, sft=SFT)
+@with_fields(identity=SFT_MODEL, sft=SFT)
 def sft(
     file: Annotated[
         Path,
@@ -227,16 +235,12 @@ def sft(
             help=".jsonl with one Trajectory or TrajectoryGroup JSON per line (e.g. `langfuse pull`)"
         ),
     ],
-    name: Annotated[str, typer.Option(help="model name (the same name continues its run)")] = "sft",
-    project: Annotated[str, typer.Option(help="project of the model")] = "cli",
     min_reward: Annotated[
         float | None, typer.Option(help="train only on trajectories with at least this reward")
     ] = None,
     path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
-    backend: Annotated[
-        str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
-    ] = None,
-    token: Annotated[str | None, typer.Option(help="the server's API token (default: $JOURNEYMAN_TOKEN)")] = None,
+    backend: _BACKEND = None,
+    token: _SERVER_TOKEN = None,
     report_to: Annotated[
         list[str] | None, typer.Option("--report-to", help="mirror the history to: wandb (repeatable)")
     ] = None,
@@ -251,7 +255,8 @@ def sft(
 
     # a bad setting or file is one clear line, before any model loads
     config = SFT.build(sft)
-    base_model = BASE_MODEL.build(identity, name=name, project=project).base_model
+    model_config = SFT_MODEL.build(identity)
+    name, project, base_model = model_config.name, model_config.project, model_config.base_model
     try:
         trajectories = read_trajectories(file, min_reward=min_reward)
     except (JourneymanError, ValueError) as e:
@@ -456,7 +461,6 @@ GATE = Fields.nested(LiveConfig, "gate", prefix="gate_", panel="The gate (GateCo
 LIVE_TRAIN = Fields.nested(LiveConfig, "train", only=["learning_rate"], panel="Training")
 _MODEL = Annotated[str, typer.Argument(help="the served model's name")]
 _SERVER = Annotated[str, typer.Option(help="the URL `journeyman serve` printed")]
-_SERVER_TOKEN = Annotated[str | None, typer.Option(help="the server's API token (default: $JOURNEYMAN_TOKEN)")]
 
 
 def _remote_call(server: str, token: str | None, model: str, call: Any) -> Any:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from journeyman.app.options import Fields, with_fields
-from journeyman.data.config import TrainConfig
+from journeyman.data.config import ModelConfig, TrainConfig
 from journeyman.integrations.langfuse._query import ReviewQuery
 
 if TYPE_CHECKING:
@@ -40,6 +40,14 @@ QUERY = Fields(
     extra={"since": {"formats": _DATE_FORMATS}, "until": {"formats": _DATE_FORMATS}},
 )
 TRAIN = Fields(TrainConfig, panel="Training step (TrainConfig)")
+# the model trained; `--model` names it (ReviewQuery's --name filters traces)
+MODEL = Fields(
+    ModelConfig,
+    only=["name", "project", "base_model"],
+    prefix="model_",
+    flags={"name": "--model", "project": "--project", "base_model": "--base-model"},
+    defaults={"name": "reviewed", "project": "langfuse"},
+)
 
 PublicKey = Annotated[str | None, typer.Option(envvar="LANGFUSE_PUBLIC_KEY", help="Langfuse public key")]
 SecretKey = Annotated[
@@ -100,15 +108,8 @@ def pull(
 
 
 @app.command()
-@with_fields(query=replace(QUERY, defaults={"score": None}), train=TRAIN)
+@with_fields(model=MODEL, query=replace(QUERY, defaults={"score": None}), train=TRAIN)
 def train(
-    model: Annotated[
-        str, typer.Option(help="name of the model to train (the same name resumes its run)")
-    ] = "reviewed",
-    project: Annotated[str, typer.Option(help="project of the model")] = "langfuse",
-    base_model: Annotated[
-        str | None, typer.Option(help="embedded model name, local HF directory, or hub id")
-    ] = None,
     path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
     input: Annotated[
         Path | None, typer.Option(help="train on a file written by `pull` instead of fetching")
@@ -118,13 +119,15 @@ def train(
     secret_key: SecretKey = None,
     host: Host = None,
     *,
+    model: dict[str, Any],
     query: dict[str, Any],
     train: dict[str, Any],
 ) -> None:
     """Pull a review set (or read one from `--input`) and train one step on it."""
     from journeyman.data.types import TrajectoryGroup
 
-    config = TRAIN.build(train)  # a bad setting fails before anything is fetched
+    # a bad setting fails before anything is fetched
+    config, identity = TRAIN.build(train), MODEL.build(model)
     if input is not None:
         groups = [
             TrajectoryGroup.model_validate_json(line)
@@ -147,7 +150,7 @@ def train(
         raise typer.Exit(1)
     if dry_run:
         return
-    result = asyncio.run(_train(groups, model, project, base_model, path, config))
+    result = asyncio.run(_train(groups, identity, path, config))
     shown = {
         k: round(v, 4)
         for k, v in result.metrics.items()
@@ -157,23 +160,19 @@ def train(
     if result.skipped:
         typer.echo(f"step skipped: no group has rewards that differ {json.dumps(shown)}")
     else:
-        typer.echo(f"trained {project}/{model}: now at step {result.step} {json.dumps(shown)}")
+        typer.echo(
+            f"trained {identity.project}/{identity.name}: now at step {result.step} {json.dumps(shown)}"
+        )
 
 
 async def _train(
-    groups: list[TrajectoryGroup],
-    name: str,
-    project: str,
-    base_model: str | None,
-    path: Path,
-    config: TrainConfig,
+    groups: list[TrajectoryGroup], identity: ModelConfig, path: Path, config: TrainConfig
 ) -> Any:
     from journeyman.backends.local import LocalBackend
     from journeyman.client.model import TrainableModel
-    from journeyman.data.config import DEFAULT_BASE_MODEL
 
     backend = LocalBackend(path=path)
-    model = TrainableModel(name=name, project=project, base_model=base_model or DEFAULT_BASE_MODEL)
+    model = TrainableModel(**identity.model_dump())
     typer.echo("loading the model...", err=True)
     await model.register(backend)
     try:

@@ -98,8 +98,8 @@ class ModelConfig(OwnErrorsModel):
 
     model_config = _STRICT
 
-    name: str
-    project: str
+    name: str = Field(description="the model's name (a new name starts fresh; the same name resumes its run)")
+    project: str = Field(description="the project the model belongs to")
     base_model: str = Field(
         default=DEFAULT_BASE_MODEL, description="embedded model name, local HF directory, or hub id"
     )
