@@ -12,7 +12,7 @@ Pure arithmetic on shapes (no torch), so `journeyman plan` answers in a second o
 `LocalBackend.register` asks before it loads a byte. What is an estimate, not a measurement: the
 CUDA context of each process, vLLM's runtime (profile-run activations, sampler, CUDA graphs) and
 allocator fragmentation (a fixed share of the GPU is kept free for it). The activation formula is
-checked against the bytes autograd saves on a small model (tests/test_plan.py).
+checked against the bytes autograd saves on a small model (packages/core/tests/backends/test_memory_plan.py).
 
 Only dense decoder-only transformers of the Llama family are modelled (Llama, Qwen2, Qwen3,
 Mistral, SmolLM and the like); a mixture-of-experts config is refused by name.
@@ -323,7 +323,7 @@ def _activation_bytes_per_layer(shape: ModelShape, setup: TrainingSetup, inner: 
                                             is the attention output) and keeps A·x for B
 
     The frozen base weights keep no inputs: their input gradients need only the weights. Checked
-    against the bytes autograd saves on small Llama and Qwen3 models (tests/test_plan.py).
+    against the bytes autograd saves on small Llama and Qwen3 models (packages/core/tests/backends/test_memory_plan.py).
     """
     a = 2 if setup.autocast_bf16 or setup.dtype == "bfloat16" else 4
     h, q, kv, i = shape.hidden_size, shape.q_width, shape.kv_width, shape.intermediate_size

@@ -8,7 +8,7 @@ protocol under `/journeyman/v1/...`, one route per row of the operations table
 `RemoteBackend` is its client.
 
 Security (README's threat model): every route, the OpenAI ones included, needs
-`Authorization: Bearer <token>` of a scope that allows it (`tokens.py`: sample < train < admin; a
+`Authorization: Bearer <token>` of a scope that allows it (`serving/api_tokens.py`: sample < train < admin; a
 401 says nothing more, a 403 names the scope needed). Bodies are read whole before any route runs,
 capped as read (413), with an idle timeout (408); a connection must send its request head within
 `HEADER_TIMEOUT_S`. The server binds 127.0.0.1 unless told otherwise and speaks TLS when given a

@@ -9,9 +9,9 @@ What each file holds and how it is written (where each lives: `journeyman.data.p
                               step), or what was evaluated on checkpoint step (val, ...)
     trajectories/<split>/<step:04d>.<kind>-<id>.jsonl   groups that did not (or not yet) train:
                               attempt (in flight), failed (the call raised), abandoned (in flight when
-                              the process died), superseded (rolled back; `<step>.superseded.jsonl`)
+                              the process died), superseded (lost to a resume's fallback; `<step>.superseded.jsonl`)
     history.jsonl             one row of metrics per step (train) or per log call (val, ...)
-    history.superseded.jsonl  the rows of steps a rollback lost
+    history.superseded.jsonl  the rows of steps a resume's fallback lost
     requests/<key>.json       the result of each committed train call with an idempotency key
     state.json                {"step": N, "base_model": ..., "last": the last commit}
 
@@ -133,7 +133,7 @@ def _free_name(directory: Path, base: str) -> Path:
 
 
 def _row_lost(row: dict[str, Any], step: int) -> bool:
-    """Whether a history row belongs to a step that a rollback to `step` loses (as its trajectories)."""
+    """Whether a history row belongs to a step that a fallback to `step` loses (as its trajectories)."""
     s = row.get("step")
     if not isinstance(s, int) or isinstance(s, bool):
         return False
@@ -369,7 +369,7 @@ class RunStore:
                     os.replace(d, d.with_name(f"{d.name}.corrupt"))
                 good = earlier[-1] if earlier else 0
         if good != committed or not state:
-            self._roll_back(good, state)
+            self._fall_back(good, state)
         return good
 
     def _abandon_attempts(self) -> None:
@@ -380,7 +380,7 @@ class RunStore:
                 os.replace(path, to)
                 _fsync_dir(path.parent)
 
-    def _roll_back(self, step: int, state: dict[str, Any]) -> None:
+    def _fall_back(self, step: int, state: dict[str, Any]) -> None:
         # Everything lost is set aside before the state commits: a crash in between redoes it all.
         for path in sorted(self.layout.trajectories.glob("*/*.jsonl")):
             lost_from = step if path.parent.name in TRAINING_SPLITS else step + 1
@@ -500,7 +500,7 @@ class RunStore:
 
 class HistoryFile:
     """history.jsonl: one strict-JSON row a step or a log call, appended whole under a lock; a torn
-    last line (a kill mid-append) is repaired, and a rollback moves the lost steps' rows aside."""
+    last line (a kill mid-append) is repaired, and a resume's fallback to an older step moves the lost steps' rows aside."""
 
     def __init__(self, path: Path, superseded: Path) -> None:
         self.path = path
@@ -589,7 +589,7 @@ class HistoryFile:
         return rows
 
     def supersede(self, step: int) -> None:
-        """Move the rows of the steps lost by a rollback to `step` out of history.jsonl."""
+        """Move the rows of the steps lost by a fallback to `step` out of history.jsonl."""
         path = self.path
         if not path.exists():
             return

@@ -1,4 +1,4 @@
-"""The Backend contract: what a `TrainableModel` and every adapter may ask of the thing that serves
+"""The Backend contract: what a `TrainableModel` and every integration may ask of the thing that serves
 and trains it. `LocalBackend` (this process), a remote client of `journeyman serve`, and a
 distributed backend all implement it, so rollout code never changes when the backend does.
 
@@ -51,7 +51,7 @@ class Inference(BaseModel):
 
 @runtime_checkable
 class Backend(Protocol):
-    """Serves and trains registered models; everything a model or an adapter needs goes through here."""
+    """Serves and trains registered models; everything a model or an integration needs goes through here."""
 
     async def register(self, model: ModelConfig) -> None:
         """Load (or resume from its run directory) and serve `model`; registering again is a no-op."""
