@@ -100,6 +100,32 @@ def _served_step(group: TrajectoryGroup) -> int | None:
     return records[0].step if records else None
 
 
+def _replay(
+    journal: GroupJournal,
+) -> tuple[dict[str, EpisodeOutcome], RunningBaseline, list[tuple[int | None, float]]]:
+    """What the journal says so far: each scored episode's outcome by id, the baselines they moved,
+    and (serving step, reward) in arrival order."""
+    known: dict[str, EpisodeOutcome] = {}
+    baseline = RunningBaseline()
+    scored: list[tuple[int | None, float]] = []
+    for row in GroupJournal.lines(journal.groups):
+        if row["id"] in known:
+            continue
+        t = TrajectoryGroup.model_validate(row["group"])
+        meta = t.trajectories[0].metadata
+        known[row["id"]] = EpisodeOutcome.model_validate(meta["outcome"])
+        baseline.before(meta["outcome"].get("group"), meta["outcome"]["reward"])
+        scored.append((_served_step(t), meta["outcome"]["reward"]))
+    return known, baseline, scored
+
+
+def _decision_row(d: Decision, parent: int | None, extra: dict[str, float]) -> dict[str, Any]:
+    """A decision's history row (`extra`: the numbers behind it, as `live/<name>`)."""
+    row: dict[str, Any] = {"step": d.step, "split": "live", "decision": d.action, "served": d.served}
+    row.update({"parent": parent, "reason": d.reason, "by": d.by})
+    return {**row, **{f"live/{k}": v for k, v in extra.items()}}
+
+
 def _var(xs: list[float]) -> float:
     return statistics.variance(xs) if len(xs) >= 2 else 0.0
 
@@ -123,18 +149,7 @@ class LiveRun:
         self.counts = dict.fromkeys(
             ("outcomes", "duplicates", "refused_expired", "unknown", "stale", "trained", "steps"), 0
         )
-        self.baseline = RunningBaseline()
-        self.known: dict[str, EpisodeOutcome] = {}
-        self.scored: list[tuple[int | None, float]] = []  # (serving step, reward) in arrival order
-        self.candidate_since = 0  # index into `scored` when the candidate began to be judged
-        for row in GroupJournal.lines(self.journal.groups):  # replay: baselines, known ids, rewards
-            if row["id"] in self.known:
-                continue
-            t = TrajectoryGroup.model_validate(row["group"])
-            meta = t.trajectories[0].metadata
-            self.known[row["id"]] = EpisodeOutcome.model_validate(meta["outcome"])
-            self.baseline.before(meta["outcome"].get("group"), meta["outcome"]["reward"])
-            self.scored.append((_served_step(t), meta["outcome"]["reward"]))
+        self.known, self.baseline, self.scored = _replay(self.journal)
         self.counts["outcomes"] = len(self.known)
         sent, waiting = self.journal.pending()
         self.sent = sent  # a train call a kill cut off: retried first, with its key
@@ -143,7 +158,7 @@ class LiveRun:
         self.settling: dict[str, _Settling] = {}
         self.task: asyncio.Task[None] | None = None
         self.busy: asyncio.Task[Any] | None = None  # a step training or a gate evaluating
-        self.candidate_since = len(self.scored)
+        self.candidate_since = len(self.scored)  # index into `scored` when the candidate began to be judged
         self.evaluated: set[int] = set()  # candidates the eval function has judged
         self.scores: dict[int, float] = {}  # each step's eval score (scored once)
         # (step, eval) of the best step promoted under this evaluation; in memory like the scores, as
@@ -346,7 +361,7 @@ class LiveRun:
             return
         self.parents[result.step] = parent
         self.candidate = result.step
-        self.candidate_since = len(self.scored)
+        self.candidate_since = len(self.scored)  # index into `scored` when the candidate began to be judged
         self._save()
         self._serve_candidate()
 
@@ -479,17 +494,7 @@ class LiveRun:
         self.decisions.append(decision)
         self._save()
         self._serve_candidate()
-        row: dict[str, Any] = {
-            "step": step,
-            "split": "live",
-            "decision": action,
-            "served": self.promoted,
-            "parent": self.parents.get(step),
-            "reason": reason,
-            "by": by,
-        }
-        row.update({f"live/{k}": v for k, v in (extra or {}).items()})
-        self.s.record(row)
+        self.s.record(_decision_row(decision, self.parents.get(step), extra or {}))
         log.warning("live %s: %s step %d (%s); serving %d", self.s.name, action, step, reason, self.promoted)
         return decision
 
