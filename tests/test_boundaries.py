@@ -1,9 +1,10 @@
 """Import boundaries of the workspace, read from the source trees with `ast` (nothing is imported).
 
-- Adapters use only core's two faces: names in the `__all__` of `journeyman` or of
-  `journeyman.integrations` (the seam made for them). Core's layer modules may move; those names do not.
-- Core never imports an adapter; adapters never import each other.
-- Core's modules form no import cycle, counting imports under `if TYPE_CHECKING:` and inside
+- Integrations (the framework packages: LangGraph, MCP, the Agents SDK) use only core's two faces:
+  names in the `__all__` of `journeyman` or of `journeyman.integrations` (the seam made for them).
+  Core's layer modules may move; those names do not.
+- Core never imports an integration; integrations never import each other.
+- No package's modules form an import cycle, counting imports under `if TYPE_CHECKING:` and inside
   functions: such a cycle works today only because of where the import sits, and turns into an
   ImportError (or a half-initialised module) the day someone moves it.
 
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CORE = "journeyman"
 SOURCES = {
@@ -29,8 +32,8 @@ SOURCES = {
     "journeyman_mcp": ROOT / "packages" / "mcp" / "src" / "journeyman_mcp",
     "journeyman_agents": ROOT / "packages" / "agents-sdk" / "src" / "journeyman_agents",
 }
-ADAPTERS = sorted(set(SOURCES) - {CORE})
-ADAPTER_FACES = ("journeyman", "journeyman.integrations")  # all an adapter may import from core
+INTEGRATIONS = sorted(set(SOURCES) - {CORE})
+INTEGRATION_FACES = ("journeyman", "journeyman.integrations")  # all an integration may import from core
 
 
 @dataclass(frozen=True)
@@ -142,16 +145,16 @@ def _private_part(module: str) -> str | None:
 
 
 def _not_a_face(module: str) -> str | None:
-    if module in ADAPTER_FACES:
+    if module in INTEGRATION_FACES:
         return None
     private = _private_part(module)
     if private:
         return f"{module} is private ({private!r})"
-    return f"{module} is not one of {' or '.join(ADAPTER_FACES)}"
+    return f"{module} is not one of {' or '.join(INTEGRATION_FACES)}"
 
 
 def _check_public(module: str, name: str) -> str | None:
-    """Why `module.name` is not core's surface for adapters, or None when it is."""
+    """Why `module.name` is not core's surface for integrations, or None when it is."""
     why = _not_a_face(module)
     if why:
         return why
@@ -186,7 +189,7 @@ def public_surface_violations(top: str) -> list[str]:
 
 
 def module_surface_violations(mod: Module) -> list[str]:
-    """Where one adapter module reaches past core's faces (imports and `jm.x.y` attribute chains)."""
+    """Where one integration module reaches past core's faces (imports and `jm.x.y` attribute chains)."""
     found: list[str] = []
     bound: dict[str, str] = {}  # local name -> core module it stands for
     explicit: set[str] = set()  # modules `import a.b.c` made reachable as attributes
@@ -222,12 +225,12 @@ def module_surface_violations(mod: Module) -> list[str]:
     return found
 
 
-def test_adapters_import_only_public_core_names() -> None:
-    found = [v for top in ADAPTERS for v in public_surface_violations(top)]
-    assert not found, "adapters reach past core's public surface:\n" + "\n".join(found)
+def test_integrations_import_only_public_core_names() -> None:
+    found = [v for top in INTEGRATIONS for v in public_surface_violations(top)]
+    assert not found, "integrations reach past core's public surface:\n" + "\n".join(found)
 
 
-def test_the_surface_check_catches_layer_imports_planted_in_an_adapter() -> None:
+def test_the_surface_check_catches_layer_imports_planted_in_an_integration() -> None:
     planted = (
         "import journeyman as jm\n"
         "from journeyman.integrations import Episode, join_calls\n"
@@ -247,25 +250,28 @@ def test_the_surface_check_catches_layer_imports_planted_in_an_adapter() -> None
     ]
 
 
-def test_core_imports_no_adapter_and_adapters_not_each_other() -> None:
+def test_core_imports_no_integration_and_integrations_not_each_other() -> None:
     found: list[str] = []
     for top in SOURCES:
-        forbidden = set(ADAPTERS) - {top}
+        forbidden = set(INTEGRATIONS) - {top}
         for mod in modules(top).values():
             for imp in imports(mod):
-                exempt = (mod.name, _top(imp.module)) in COMPAT_ADAPTER_IMPORTS and imp.context == "function"
+                exempt = (
+                    mod.name,
+                    _top(imp.module),
+                ) in COMPAT_INTEGRATION_IMPORTS and imp.context == "function"
                 if _top(imp.module) in forbidden and not exempt:
                     found.append(f"{mod.where(imp.line)}: {mod.name} imports {imp.module}")
     assert not found, "imports across package boundaries:\n" + "\n".join(found)
 
 
-def core_graph() -> dict[str, dict[str, Import]]:
-    """module -> {imported core module: the first import statement that makes the edge}."""
-    known = modules(CORE)
+def package_graph(top: str) -> dict[str, dict[str, Import]]:
+    """module -> {imported module of the same package: the first import statement that makes the edge}."""
+    known = modules(top)
     graph: dict[str, dict[str, Import]] = {name: {} for name in known}
     for mod in known.values():
         for imp in imports(mod):
-            if _top(imp.module) != CORE:
+            if _top(imp.module) != top:
                 continue
             targets = [imp.module] if not imp.names else []
             for name in imp.names:  # `from pkg import submodule` imports the submodule
@@ -277,6 +283,10 @@ def core_graph() -> dict[str, dict[str, Import]]:
                 if target in known and target != mod.name:
                     graph[mod.name].setdefault(target, imp)
     return graph
+
+
+def core_graph() -> dict[str, dict[str, Import]]:
+    return package_graph(CORE)
 
 
 def strongly_connected(graph: dict[str, dict[str, Import]]) -> list[list[str]]:
@@ -334,7 +344,7 @@ def shortest_cycle(graph: dict[str, dict[str, Import]], start: str, within: set[
 
 
 def describe_cycle(graph: dict[str, dict[str, Import]], cycle: list[str]) -> str:
-    known = modules(CORE)
+    known = modules(_top(cycle[0]))
     steps = [cycle[0]]
     for a, b in itertools.pairwise(cycle):
         imp = graph[a][b]
@@ -342,9 +352,8 @@ def describe_cycle(graph: dict[str, dict[str, Import]], cycle: list[str]) -> str
     return "\n".join(steps)
 
 
-def test_core_has_no_import_cycle() -> None:
-    graph = core_graph()
-    assert "journeyman.data.types" in graph["journeyman"], "the graph lost core's own imports"
+def cycles(graph: dict[str, dict[str, Import]]) -> list[str]:
+    """Each distinct shortest cycle of the graph, described edge by edge (where, in what context)."""
     reports: list[str] = []
     for component in strongly_connected(graph):
         seen: set[frozenset[str]] = set()
@@ -354,11 +363,36 @@ def test_core_has_no_import_cycle() -> None:
                 continue
             seen.add(frozenset(cycle))
             reports.append(describe_cycle(graph, cycle))
-    assert not reports, "import cycles between core modules:\n" + "\n\n".join(reports)
+    return reports
+
+
+@pytest.mark.parametrize("top", sorted(SOURCES))
+def test_no_package_has_an_import_cycle(top: str) -> None:
+    graph = package_graph(top)
+    # the package's own face imports its modules: an empty graph would mean the resolver lost them
+    assert graph[top], f"the graph lost {top}'s own imports"
+    assert top != CORE or "journeyman.data.types" in graph[CORE], "the graph lost core's own imports"
+    reports = cycles(graph)
+    assert not reports, f"import cycles between {top} modules:\n" + "\n\n".join(reports)
+
+
+def test_the_cycle_check_catches_an_import_inside_a_function_planted_in_an_integration() -> None:
+    """The cycle journeyman_langgraph had: `_chat` imports `_capture` at its top, and `_capture`
+    imported `_chat` back inside a method."""
+    graph = {name: dict(edges) for name, edges in package_graph("journeyman_langgraph").items()}
+    capture, chat = "journeyman_langgraph._capture", "journeyman_langgraph._chat"
+    assert capture in graph[chat]
+    graph[capture][chat] = Import(chat, ("chat_model",), None, 85, "function")
+    up = graph[chat][capture]
+    where = "packages/langgraph/src/journeyman_langgraph"
+    assert cycles(graph) == [
+        f"{capture}\n  -> {chat}   ({where}/_capture.py:85, function)\n"
+        f"  -> {capture}   ({where}/_chat.py:{up.line}, {up.context})"
+    ]
 
 
 # Core's layers, bottom to top: a module imports only its own layer and those below (anywhere in
-# the file, functions and TYPE_CHECKING included). The package faces (`journeyman`, the adapters'
+# the file, functions and TYPE_CHECKING included). The package faces (`journeyman`, the integrations'
 # seam `journeyman.integrations`) sit above them all; only the app layer (the CLI) reaches up to one.
 LAYERS = (
     ("errors", "_extras"),
@@ -376,9 +410,9 @@ LAYERS = (
     ("art",),  # ART's API over Journeyman's (docs/migrating-from-art.md): above the app, it may use the faces
 )
 FACES = ("journeyman", "journeyman.integrations", "journeyman.adapters")  # the last: the old name of the seam
-# `journeyman.art.langgraph` is ART's `art.langgraph`: it hands over to the LangGraph adapter, imported when
-# called (an optional install, named in the ImportError), the one import of an adapter core makes.
-COMPAT_ADAPTER_IMPORTS = {("journeyman.art.langgraph", "journeyman_langgraph")}
+# `journeyman.art.langgraph` is ART's `art.langgraph`: it hands over to the LangGraph integration, imported
+# when called (an optional install, named in the ImportError), the one import of an integration core makes.
+COMPAT_INTEGRATION_IMPORTS = {("journeyman.art.langgraph", "journeyman_langgraph")}
 # What a light install lacks: the layers below `policy` (and the faces) never import these at all,
 # and only `serving` and above import the HTTP server's libraries.
 TORCH_SHAPED = ("torch", "transformers", "peft", "safetensors", "gguf", "xgrammar", "matplotlib")

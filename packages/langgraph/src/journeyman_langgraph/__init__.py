@@ -17,8 +17,8 @@ Trajectory), `init_chat_model()` is `init_chat_model()`.
 """
 
 from ._capture import TRAINABLE_TAG
-from ._chat import chat_model, init_chat_model
-from ._decorators import current_trajectory, trainable, trajectory
+from ._chat import chat_model
+from ._decorators import current_trajectory, init_chat_model, trainable, trajectory
 
 __all__ = [
     "TRAINABLE_TAG",

@@ -76,16 +76,10 @@ class GraphEpisode:
     runs: dict[UUID, LLMRun] = field(default_factory=dict)
     untrained_calls: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
-    _served_llm: Any = None
-
-    def served_llm(self) -> Any:
-        """A chat model of the trained model's endpoint (`chat_model`), whose clients serve the
-        calls rerouted from other chat models inside a marked scope (`_nested`)."""
-        if self._served_llm is None:
-            from ._chat import chat_model  # _chat imports this module
-
-            self._served_llm = chat_model(self.model)
-        return self._served_llm
+    served_llm: Any = None
+    """The chat model of the trained model's endpoint whose clients serve the calls rerouted from
+    other chat models inside a marked scope: built by `_nested` on first use (it sits above `_chat`,
+    this module below it)."""
 
     def new_request(self, run: LLMRun | None, node: str | None) -> str:
         cid = self.episode.new_capture_id()

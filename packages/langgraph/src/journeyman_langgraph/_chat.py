@@ -11,8 +11,7 @@ from journeyman.integrations import CLIENT_TIMEOUT_S
 from langchain_openai import ChatOpenAI
 from pydantic import SecretStr
 
-from ._capture import async_hook, current_episode, sync_hook
-from ._decorators import trainable
+from ._capture import async_hook, sync_hook
 
 _TIMEOUT = httpx.Timeout(CLIENT_TIMEOUT_S)
 _clients: dict[str, tuple[httpx.Client, httpx.AsyncClient]] = {}
@@ -61,21 +60,3 @@ def chat_model(model: TrainableModel, **kwargs: Any) -> ChatOpenAI:
         use_responses_api=False,
         **kwargs,
     )
-
-
-def init_chat_model(model: TrainableModel | None = None, **kwargs: Any) -> ChatOpenAI:
-    """The trained policy as a chat model: `trainable(chat_model(model, **kwargs))` (ART's name).
-
-    Inside a `@trajectory(model)` function `model` may be left out: the episode's model is used,
-    as with ART's `init_chat_model()` inside `wrap_rollout`.
-    """
-    if model is None:
-        episode = current_episode()
-        if episode is None:
-            raise InvalidFieldError(
-                "model",
-                None,
-                "pass the TrainableModel, or call init_chat_model() inside a @trajectory function",
-            )
-        model = episode.model
-    return trainable(chat_model(model, **kwargs))

@@ -15,9 +15,11 @@ from journeyman import CapturedCall, InvalidFieldError, TrainableModel, Trajecto
 from journeyman.integrations import Episode, ErrorReward, OnError, check_on_error
 from langchain_core.language_models import BaseChatModel
 from langchain_core.runnables import Runnable, RunnableBinding
+from langchain_openai import ChatOpenAI
 
 from . import _capture as cap
 from . import _nested
+from ._chat import chat_model
 
 log = logging.getLogger("journeyman.langgraph")
 
@@ -297,3 +299,21 @@ def _hook_clients(llm: BaseChatModel) -> None:
         client = getattr(getattr(llm, attr, None), "_client", None)
         if client is not None:
             cap.install_hooks(client)
+
+
+def init_chat_model(model: TrainableModel | None = None, **kwargs: Any) -> ChatOpenAI:
+    """The trained policy as a chat model: `trainable(chat_model(model, **kwargs))` (ART's name).
+
+    Inside a `@trajectory(model)` function `model` may be left out: the episode's model is used,
+    as with ART's `init_chat_model()` inside `wrap_rollout`.
+    """
+    if model is None:
+        episode = cap.current_episode()
+        if episode is None:
+            raise InvalidFieldError(
+                "model",
+                None,
+                "pass the TrainableModel, or call init_chat_model() inside a @trajectory function",
+            )
+        model = episode.model
+    return trainable(chat_model(model, **kwargs))

@@ -27,6 +27,7 @@ from langchain_openai import ChatOpenAI
 from langchain_openai.chat_models.base import BaseChatOpenAI
 
 from . import _capture as cap
+from ._chat import chat_model
 
 _installed = False
 _install_lock = threading.Lock()
@@ -52,7 +53,9 @@ def _served_twin(llm: BaseChatOpenAI, run_manager: Any) -> BaseChatOpenAI | None
     tags = getattr(run_manager, "tags", None) or []
     if not (cap._trainable_scope.get() or cap.TRAINABLE_TAG in tags):
         return None
-    served = episode.served_llm()
+    if episode.served_llm is None:  # once per episode (two threads racing build equal models)
+        episode.served_llm = chat_model(episode.model)
+    served = episode.served_llm
     update = {name: getattr(served, name) for name in _SERVED_FIELDS}
     return llm.model_copy(update={**update, "use_responses_api": False})
 
