@@ -23,7 +23,7 @@ import inspect
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
@@ -143,33 +143,16 @@ def _hermes_call(call: dict[str, Any]) -> str:
 
 
 def hermes_messages(messages: list[Message], tools: list[dict[str, Any]] | None) -> list[Message]:
-    """The conversation for a template with no tool support: tools in the system turn, calls and
-    tool results as Hermes text in the model's own assistant and user turns."""
-    out: list[Message] = []
-    if tools:
-        listing = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
-        block = _HERMES_TOOLS.format(tools=listing)
-        if messages[0]["role"] == "system":
-            out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + block})
-            messages = messages[1:]
-        else:
-            out.append({"role": "system", "content": block})
-    previous = None
-    for m in messages:
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            parts = [m["content"]] if m.get("content") else []
-            out.append(
-                {
-                    "role": "assistant",
-                    "content": "\n".join(parts + [_hermes_call(c) for c in m["tool_calls"]]),
-                }
-            )
-        elif m["role"] == "tool":
-            _tool_result(out, previous, "<tool_response>\n" + m["content"] + "\n</tool_response>")
-        else:
-            out.append(m)
-        previous = m["role"]
-    return out
+    """The conversation for a template with no tool support: tools after the system prompt, calls
+    and tool results as Hermes text in the model's own assistant and user turns."""
+    listing = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools or [])
+    return _tools_as_text(
+        messages,
+        _HERMES_TOOLS.format(tools=listing) if tools else None,
+        tools_first=False,
+        calls=lambda calls: "\n".join(_hermes_call(c) for c in calls),
+        result=lambda text: "<tool_response>\n" + text + "\n</tool_response>",
+    )
 
 
 def pythonic_messages(messages: list[Message], tools: list[dict[str, Any]] | None) -> list[Message]:
@@ -177,25 +160,49 @@ def pythonic_messages(messages: list[Message], tools: list[dict[str, Any]] | Non
     with the tools' definitions before the system prompt, calls as the model's whole answer
     `[f(a="x"), g()]` (values as compact JSON, as the forced-call grammar writes them), results as
     a user turn of ```tool_output``` blocks (roles must alternate)."""
+    listing = json.dumps([t.get("function", t) for t in tools or []], ensure_ascii=False, indent=2)
+    return _tools_as_text(
+        messages,
+        _PYTHONIC_TOOLS.format(tools=listing) if tools else None,
+        tools_first=True,
+        calls=lambda calls: (
+            "[" + ", ".join(python_call(c["function"]["name"], _arguments(c)) for c in calls) + "]"
+        ),
+        result=lambda text: "```tool_output\n" + text + "\n```",
+    )
+
+
+def _tools_as_text(
+    messages: list[Message],
+    block: str | None,
+    *,
+    tools_first: bool,
+    calls: Callable[[list[dict[str, Any]]], str],
+    result: Callable[[str], str],
+) -> list[Message]:
+    """A conversation for a template with no tool support, in a family's own text: the tools' `block`
+    in the system turn (before its prompt, or after), an assistant turn's calls written by `calls`
+    after its content, each tool result by `result` in a user turn."""
     out: list[Message] = []
-    if tools:
-        listing = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False, indent=2)
-        block = _PYTHONIC_TOOLS.format(tools=listing)
+    if block is not None:
         if messages and messages[0]["role"] == "system":
-            out.append({"role": "system", "content": block + "\n\n" + messages[0]["content"]})
+            system = messages[0]["content"]
+            out.append(
+                {
+                    "role": "system",
+                    "content": f"{block}\n\n{system}" if tools_first else f"{system}\n\n{block}",
+                }
+            )
             messages = messages[1:]
         else:
             out.append({"role": "system", "content": block})
     previous = None
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            written = [python_call(c["function"]["name"], _arguments(c)) for c in m["tool_calls"]]
-            text = "[" + ", ".join(written) + "]"
-            out.append(
-                {"role": "assistant", "content": (m["content"] + "\n" if m.get("content") else "") + text}
-            )
+            parts = [m["content"]] if m.get("content") else []
+            out.append({"role": "assistant", "content": "\n".join([*parts, calls(m["tool_calls"])])})
         elif m["role"] == "tool":
-            _tool_result(out, previous, "```tool_output\n" + m["content"] + "\n```")
+            _tool_result(out, previous, result(m["content"]))
         else:
             out.append(m)
         previous = m["role"]
