@@ -18,23 +18,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
-import time
 from pathlib import Path
 
 import journeyman as jm
 from agents import Agent, ModelSettings, function_tool, handoff
 from agents.extensions import handoff_filters
-from journeyman.integrations import plot_history
 from journeyman_agents import TrainableRunner
 from todo_task import (
     EPISODE,
     INSTRUCTIONS,
     TOOL_FUNCTIONS,
     Scenario,
-    every_phrasing,
-    held_out_report,
     load_scenarios,
+    train_and_report,
 )
 
 TOOLS = [function_tool(f) for f in TOOL_FUNCTIONS]  # the to-do tools of the episode set in EPISODE
@@ -73,55 +69,20 @@ async def rollout(runner: TrainableRunner, agent: Agent, s: Scenario) -> jm.Traj
 
 
 async def main(args: argparse.Namespace) -> None:
-    train_set, eval_set = (
-        load_scenarios("train"),
-        every_phrasing(load_scenarios("eval"))[: args.eval_scenarios],
-    )
     async with jm.LocalBackend(path=args.path) as backend:
         model = jm.TrainableModel(name=args.name, project="agents-sdk-example")
         await model.register(backend)
         runner = TrainableRunner(model, api=args.api)
         sampled, greedy = triage_agent(0.7), triage_agent(0.0)
-
-        async def evaluate() -> dict[str, bool]:
-            step = await model.get_step()
-            groups = await jm.gather_trajectory_groups(
-                (jm.TrajectoryGroup([rollout(runner, greedy, s)]) for s in eval_set), pbar_desc=f"eval {step}"
-            )
-            m = await model.log(groups, split="val")
-            print(f"step {step}: val success {m['success']:.3f}, val reward {m['reward']:.3f}")
-            return {
-                s.id: bool(g.trajectories[0].metrics["success"])
-                for s, g in zip(eval_set, groups, strict=True)
-            }
-
-        before = await evaluate()
-        config = jm.TrainConfig(learning_rate=args.learning_rate)
-        rng = random.Random(0)
-        for _ in range(args.steps):
-            step = await model.get_step()
-            t0 = time.perf_counter()
-            groups = await jm.gather_trajectory_groups(
-                (
-                    jm.TrajectoryGroup(rollout(runner, sampled, s) for _ in range(args.group_size))
-                    for s in rng.sample(train_set, args.groups)
-                ),
-                pbar_desc=f"step {step}",
-            )
-            rollout_s = time.perf_counter() - t0
-            success = [t.metrics["success"] for g in groups for t in g.trajectories]
-            t0 = time.perf_counter()
-            result = await model.train(groups, config=config)
-            print(
-                f"step {step} -> {result.step}: success {sum(success) / len(success):.3f} over {len(success)} "
-                f"rollouts (rollouts {rollout_s:.0f} s, train {time.perf_counter() - t0:.0f} s, "
-                f"skipped={result.skipped})"
-            )
-        after = await evaluate()
-        print(held_out_report(before, after))
-        png = plot_history(await model.history(), model.run_dir / "reward.png", title=model.name)
-        print(f"reward plot: {png}")
-        print(f"run directory: {model.run_dir}")
+        loop = jm.TrainLoop(
+            model,
+            lambda s: rollout(runner, sampled, s),
+            load_scenarios("train"),
+            groups_per_step=args.groups,
+            group_size=args.group_size,
+            config=jm.TrainConfig(learning_rate=args.learning_rate),
+        )
+        await train_and_report(loop, lambda s: rollout(runner, greedy, s), args.eval_scenarios, args.steps)
 
 
 if __name__ == "__main__":

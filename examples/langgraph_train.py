@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import journeyman as jm
-from journeyman.integrations import plot_history
 from journeyman_langgraph import chat_model, trainable, trajectory
 from langchain.agents import create_agent
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
@@ -38,9 +35,8 @@ from todo_task import (
     INSTRUCTIONS,
     TOOL_FUNCTIONS,
     Scenario,
-    every_phrasing,
-    held_out_report,
     load_scenarios,
+    train_and_report,
 )
 
 TOOLS = [tool(f) for f in TOOL_FUNCTIONS]  # the to-do tools of the episode set in EPISODE
@@ -62,10 +58,6 @@ class ToolThenAnswer(AgentMiddleware):
 
 
 async def main(args: argparse.Namespace) -> None:
-    train_set, eval_set = (
-        load_scenarios("train"),
-        every_phrasing(load_scenarios("eval"))[: args.eval_scenarios],
-    )
     async with jm.LocalBackend(path=args.path) as backend:
         model = jm.TrainableModel(name=args.name, project="langgraph-example")
         await model.register(backend)
@@ -91,44 +83,15 @@ async def main(args: argparse.Namespace) -> None:
                 "refused": todo.refused,
             }
 
-        async def evaluate() -> dict[str, bool]:
-            step = await model.get_step()
-            groups = await jm.gather_trajectory_groups(
-                (jm.TrajectoryGroup([rollout(s, greedy)]) for s in eval_set), pbar_desc=f"eval {step}"
-            )
-            m = await model.log(groups, split="val")
-            print(f"step {step}: val success {m['success']:.3f}, val reward {m['reward']:.3f}")
-            return {
-                s.id: bool(g.trajectories[0].metrics["success"])
-                for s, g in zip(eval_set, groups, strict=True)
-            }
-
-        before = await evaluate()
-        rng = random.Random(0)
-        config = jm.TrainConfig(learning_rate=args.learning_rate)
-        for _ in range(args.steps):
-            step = await model.get_step()
-            t0 = time.perf_counter()
-            groups = await jm.gather_trajectory_groups(
-                (
-                    jm.TrajectoryGroup(rollout(s, sampled) for _ in range(args.group_size))
-                    for s in rng.sample(train_set, args.groups)
-                ),
-                pbar_desc=f"step {step}",
-            )
-            rollout_s = time.perf_counter() - t0
-            success = [t.metrics["success"] for g in groups for t in g.trajectories]
-            t0 = time.perf_counter()
-            result = await model.train(groups, config=config)
-            print(
-                f"step {step}: success {sum(success) / len(success):.3f} over {len(success)} rollouts "
-                f"(rollouts {rollout_s:.0f} s, train {time.perf_counter() - t0:.0f} s, skipped={result.skipped})"
-            )
-        after = await evaluate()
-        print(held_out_report(before, after))
-        png = plot_history(await model.history(), model.run_dir / "reward.png", title=model.name)
-        print(f"reward plot: {png}")
-        print(f"run directory: {model.run_dir}")
+        loop = jm.TrainLoop(
+            model,
+            lambda s: rollout(s, sampled),
+            load_scenarios("train"),
+            groups_per_step=args.groups,
+            group_size=args.group_size,
+            config=jm.TrainConfig(learning_rate=args.learning_rate),
+        )
+        await train_and_report(loop, lambda s: rollout(s, greedy), args.eval_scenarios, args.steps)
 
 
 if __name__ == "__main__":

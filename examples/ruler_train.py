@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import random
 from pathlib import Path
 
 import journeyman as jm
@@ -69,30 +68,23 @@ async def main(args: argparse.Namespace) -> None:
             rubric=RUBRIC,
             config=jm.RulerConfig(judge_model=args.judge_model, explanation_chars=args.explanation_chars),
         )
-        rng = random.Random(0)
-        config = jm.TrainConfig(learning_rate=args.learning_rate)
-        for _ in range(args.steps):
-            step = await model.get_step()
-            batch = rng.sample(QUESTIONS, args.groups)
-            groups = await jm.gather_trajectory_groups(
-                (
-                    jm.TrajectoryGroup(
-                        rollout(model, client, q, args.max_tokens) for _ in range(args.group_size)
-                    )
-                    for q in batch
-                ),
-                pbar_desc=f"step {step}",
-                after_each=score,  # RULER replaces each group's rewards as soon as it is gathered
-            )
-            for g in groups:
+        loop = jm.TrainLoop(
+            model,
+            lambda q: rollout(model, client, q, args.max_tokens),
+            QUESTIONS,
+            groups_per_step=args.groups,
+            group_size=args.group_size,
+            config=jm.TrainConfig(learning_rate=args.learning_rate),
+            after_each=score,  # RULER replaces each group's rewards as soon as it is gathered
+        )
+        async for s in loop.steps(args.steps):
+            for g in s.groups:
                 best = max(g.trajectories, key=lambda t: t.reward)
                 print(
                     f"  {best.metadata['question']!r}: rewards {g.rewards()} best: {best.messages()[-1]['content']!r}"
                 )
-            result = await model.train(groups, config=config)
-            rewards = [r for g in groups for r in g.rewards()]
             print(
-                f"step {step} -> {result.step}: mean RULER reward {sum(rewards) / len(rewards):.3f}, skipped={result.skipped}"
+                f"step {s.step} -> {s.result.step}: mean RULER reward {s.mean('reward'):.3f}, skipped={s.result.skipped}"
             )
         print(f"run directory: {model.run_dir}")
 

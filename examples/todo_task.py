@@ -1,7 +1,8 @@
 """The to-do task the examples learn on: a list, four tools, scenarios with a checkable end state.
 
 Shared by `mcp_todo_server.py` (the list behind an MCP server), `langgraph_train.py` and
-`agents_sdk_train.py` (the list as in-process tools of one episode). The scenarios are
+`agents_sdk_train.py` (the list as in-process tools of one episode; `train_and_report`, their run
+on `jm.TrainLoop`). The scenarios are
 `mcp_todo_scenarios.json`: 72 training tasks and 24 held out, on titles never seen in training.
 Each has `setup` calls that put the list in a known state and `checks` that read it after the
 episode, so success is the list's real end state, not a judge's opinion.
@@ -16,12 +17,16 @@ import contextlib
 import json
 import math
 import random
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field
+
+if TYPE_CHECKING:  # the MCP server imports this module too: it needs no journeyman
+    import journeyman as jm
 
 SCENARIOS_FILE = Path(__file__).with_name("mcp_todo_scenarios.json")
 Title = Annotated[str, Field(max_length=32)]
@@ -172,6 +177,39 @@ def held_out_report(before: dict[str, bool], after: dict[str, bool]) -> str:
         f"held-out success ({len(ids)} tasks, greedy): {b:.2f} ± {b_se:.2f} -> {a:.2f} ± {a_se:.2f} ({gain}); "
         f"{fixed} tasks fixed, {broken} broken (sign test p = {p:.3f})"
     )
+
+
+async def train_and_report(
+    loop: jm.TrainLoop[Scenario],
+    greedy: Callable[[Scenario], Awaitable[jm.Trajectory]],
+    eval_scenarios: int,
+    steps: int,
+) -> None:
+    """The LangGraph and Agents SDK examples' run: held-out success (one `greedy` rollout of each of
+    the first `eval_scenarios` held-out tasks, every phrasing) before and after `steps` steps of
+    `loop`, a line per step, the paired report, the reward plot."""
+    from journeyman.integrations import plot_history
+
+    model, held_out = loop.model, every_phrasing(load_scenarios("eval"))[:eval_scenarios]
+
+    async def evaluate() -> dict[str, bool]:
+        groups, m = await loop.evaluate(held_out, greedy)
+        print(f"step {await model.get_step()}: val success {m['success']:.3f}, val reward {m['reward']:.3f}")
+        return {
+            s.id: bool(g.trajectories[0].metrics["success"]) for s, g in zip(held_out, groups, strict=True)
+        }
+
+    before = await evaluate()
+    async for s in loop.steps(steps):
+        print(
+            f"step {s.step} -> {s.result.step}: success {s.mean('success'):.3f} over {s.rollouts} rollouts "
+            f"(rollouts {s.rollout_seconds:.0f} s, train {s.train_seconds:.0f} s, skipped={s.result.skipped})"
+        )
+    after = await evaluate()
+    print(held_out_report(before, after))
+    png = plot_history(await model.history(), model.run_dir / "reward.png", title=model.name)
+    print(f"reward plot: {png}")
+    print(f"run directory: {model.run_dir}")
 
 
 # -- writing the scenarios file -----------------------------------------------------------------------

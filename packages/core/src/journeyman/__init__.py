@@ -15,6 +15,7 @@ from journeyman.client.model import Capture, TrainableModel
 from journeyman.client.pipeline_trainer import PipelineConfig, PipelineResult, PipelineTrainer
 from journeyman.client.protocol import Backend, Inference, LiveBackend, current_backend
 from journeyman.client.remote import RemoteBackend
+from journeyman.client.train_loop import TrainLoop
 from journeyman.data.config import (
     DEFAULT_BASE_MODEL,
     LoraConfig,
@@ -131,6 +132,7 @@ __all__ = [
     "TooManyExceptionsError",
     "Tracker",
     "TrainConfig",
+    "TrainLoop",
     "TrainResult",
     "TrainableModel",
     "TrainerConfig",
