@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from journeyman.data.types import TrajectoryGroup
+from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError, JourneymanError
 from journeyman.rewards.llm import LLM, LLMSpec, complete_json, resolve_llm, spec_label
 from journeyman.rewards.ruler._cache import cache_key, cache_read, cache_write, default_cache_dir
@@ -119,24 +119,16 @@ async def _score(
     out = []
     for t, digest in zip(group.trajectories, prompt.group_digests, strict=True):
         s = by_digest[digest]
-        metrics = {
-            **t.metrics,
-            "independent_reward": t.metrics.get("independent_reward", t.reward),
-            "ruler_cached": int(cached),
-            "ruler_retries": retries,
-            "ruler_skipped": 0,
-        }
-        metadata = {**t.metadata, "ruler_explanation": s.explanation}
-        new = t.model_copy(
-            deep=True,
-            update={
-                "reward": s.score / MAX_SCORE,
-                "metrics": metrics,
-                "metadata": metadata,
-                "logs": [*t.logs, f"RULER {s.score:g}/10: {s.explanation}"],
-            },
+        out.append(
+            _rescored(
+                t,
+                s.score / MAX_SCORE,
+                f"RULER {s.score:g}/10: {s.explanation}",
+                cached=int(cached),
+                retries=retries,
+                explanation=s.explanation,
+            )
         )
-        out.append(new)
     info = {
         "judge": judge.identity,
         "unique": len(prompt.ids),
@@ -145,8 +137,33 @@ async def _score(
         "skipped": False,
         "answer": answer,  # the judge's raw JSON, for debugging a judge
     }
+    return _regrouped(group, out, info)
+
+
+def _rescored(
+    t: Trajectory, reward: float, log: str, *, cached: int, retries: int, explanation: str | None = None
+) -> Trajectory:
+    """A copy of `t` with RULER's reward, its `ruler_*` metrics and a log line; the reward it had
+    is kept as `independent_reward`; `explanation` None: RULER skipped the group."""
+    metrics = {
+        **t.metrics,
+        "independent_reward": t.metrics.get("independent_reward", t.reward),
+        "ruler_cached": cached,
+        "ruler_retries": retries,
+        "ruler_skipped": int(explanation is None),
+    }
+    update: dict[str, Any] = {"reward": reward, "metrics": metrics, "logs": [*t.logs, log]}
+    if explanation is not None:
+        update["metadata"] = {**t.metadata, "ruler_explanation": explanation}
+    return t.model_copy(deep=True, update=update)
+
+
+def _regrouped(
+    group: TrajectoryGroup, trajectories: list[Trajectory], info: dict[str, Any]
+) -> TrajectoryGroup:
+    """The group with RULER's `trajectories`, and what RULER did in its metadata under `ruler`."""
     return TrajectoryGroup(
-        out,
+        trajectories,
         exceptions=list(group.exceptions),
         dropped=list(group.dropped),
         metadata={**group.metadata, "ruler": info},
@@ -186,30 +203,9 @@ async def _ask(
 def _skipped(group: TrajectoryGroup, judge: str, error: Exception) -> TrajectoryGroup:
     """The group with no learning signal left in it: every reward the same (the mean so far)."""
     mean = sum(t.reward for t in group.trajectories) / len(group.trajectories)
-    out = []
-    for t in group.trajectories:
-        metrics = {
-            **t.metrics,
-            "independent_reward": t.metrics.get("independent_reward", t.reward),
-            "ruler_cached": 0,
-            "ruler_retries": 0,
-            "ruler_skipped": 1,
-        }
-        out.append(
-            t.model_copy(
-                deep=True,
-                update={"reward": mean, "metrics": metrics, "logs": [*t.logs, f"RULER skipped: {error}"]},
-            )
-        )
+    out = [_rescored(t, mean, f"RULER skipped: {error}", cached=0, retries=0) for t in group.trajectories]
     info = {"judge": judge, "skipped": True, "error": f"{type(error).__name__}: {error}"}
-    return TrajectoryGroup(
-        out,
-        exceptions=list(group.exceptions),
-        dropped=list(group.dropped),
-        metadata={**group.metadata, "ruler": info},
-        metrics=dict(group.metrics),
-        logs=list(group.logs),
-    )
+    return _regrouped(group, out, info)
 
 
 __all__ = ["RulerJudgeError", "ruler_score_group"]
