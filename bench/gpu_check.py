@@ -62,7 +62,6 @@ import torch  # noqa: E402
 if TYPE_CHECKING:
     from journeyman.data.types import TrajectoryGroup
     from journeyman.policy.lora import LoraPolicy
-    from journeyman.training.rows import Row
 
 GiB = 1 << 30
 
@@ -570,15 +569,13 @@ def section_packed(ck: Check) -> None:
 
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")  # equality in fp32, not TF32's 10 bits
-    real_rows = packed_attention_check.agent_rows
-    if ck.dry:  # its rows carry a 600-token prompt whatever the size asked; toy rows of the same shape
-        packed_attention_check.agent_rows = toy_agent_rows
+    # dry: its rows carry a 600-token prompt whatever the size asked; toy rows of the same shape
+    shape = packed_attention_check.TOY if ck.dry else packed_attention_check.AGENT
     try:
         results = packed_attention_check.check(
-            list(ck.sizes.packed_tokens), ck.sizes.packed_width, ck.device, torch.float32, dense_max=8192
+            list(ck.sizes.packed_tokens), ck.sizes.packed_width, ck.device, torch.float32, 8192, shape
         )
     finally:
-        packed_attention_check.agent_rows = real_rows
         torch.set_float32_matmul_precision(before)
     for r in results:
         if r["way"] == "rows":  # the reference the gaps are taken against
@@ -601,33 +598,6 @@ def section_packed(ck: Check) -> None:
     flex = any(r["way"] == "flex" and r["grad"] for r in results)
     if not flex:
         ck.add("flex with grad", "not run", ok=None, note="torch's FlexAttention has no backward off CUDA")
-
-
-def toy_agent_rows(tokens: int, seed: int = 0) -> list[Row]:
-    """`packed_attention_check.agent_rows` at toy size: a 24-token system prompt, groups of 4
-    rollouts of 8-16 tokens under a 4-token task, one row of half of `tokens`."""
-    from journeyman.training.rows import Row
-
-    gen = torch.Generator().manual_seed(seed)
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(0, 32000, (n,), generator=gen).tolist()
-
-    system = ids(24)
-    long = Row(advantage=1.0)
-    long.extend(system + ids(4), trained=False)
-    long.extend(ids(tokens // 2), trained=True, logprobs=[-1.0] * (tokens // 2))
-    rows, used = [long], len(long.input_ids)
-    while used < tokens:
-        task = ids(4)
-        for i in range(4):
-            n = int(torch.randint(8, 17, (1,), generator=gen))
-            r = Row(advantage=1.0 if i % 2 else -1.0)
-            r.extend(system + task, trained=False)
-            r.extend(ids(n), trained=True, logprobs=[-1.0] * n)
-            rows.append(r)
-            used += n + 4
-    return rows
 
 
 _CHILD = r"""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,31 +56,45 @@ def model(width: str, device: torch.device, dtype: torch.dtype) -> Any:
     return peft.train()
 
 
-def agent_rows(tokens: int, seed: int = 0) -> list[Row]:
-    """About `tokens` tokens: a 600-token system prompt, groups of 8 rollouts of 100-200 tokens
-    under a 40-token task, and one row of half the budget."""
+@dataclass(frozen=True)
+class RowShape:
+    """The agent-shaped rows of a pack: one system prompt, groups of rollouts under a task each."""
+
+    system: int  # tokens of the shared system prompt
+    task: int  # tokens of each group's task
+    group: int  # rollouts per group
+    completion: tuple[int, int]  # the fewest and most tokens of a rollout
+
+
+AGENT = RowShape(system=600, task=40, group=8, completion=(100, 200))
+TOY = RowShape(system=24, task=4, group=4, completion=(8, 16))  # bench/gpu_check.py --dry-run
+
+
+def agent_rows(tokens: int, seed: int = 0, shape: RowShape = AGENT) -> list[Row]:
+    """About `tokens` tokens of `shape`'s rows (by default a 600-token system prompt, groups of 8
+    rollouts of 100-200 tokens under a 40-token task), and one row of half the budget."""
     gen = torch.Generator().manual_seed(seed)
 
     def ids(n: int) -> list[int]:
         return torch.randint(0, 32000, (n,), generator=gen).tolist()
 
-    system = ids(600)
-    rows: list[Row] = []
+    system = ids(shape.system)
     long = Row(advantage=1.0)
-    long.extend(system + ids(40), trained=False)
-    long.extend(ids(max(16, tokens // 2 - 640)), trained=True, logprobs=[-1.0] * max(16, tokens // 2 - 640))
-    rows.append(long)
-    used = len(long.input_ids)
+    long.extend(system + ids(shape.task), trained=False)
+    trained = max(16, tokens // 2 - shape.system - shape.task)
+    long.extend(ids(trained), trained=True, logprobs=[-1.0] * trained)
+    rows, used = [long], len(long.input_ids)
+    lo, hi = shape.completion
     while used < tokens:
-        task = ids(40)
-        for i in range(8):
-            n = int(torch.randint(100, 201, (1,), generator=gen))
+        task = ids(shape.task)
+        for i in range(shape.group):
+            n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
             r = Row(advantage=1.0 if i % 2 else -1.0)
             r.extend(system + task, trained=False)
             r.extend(ids(n), trained=True, logprobs=[-1.0] * n)
             rows.append(r)
             used += n
-        used += 40
+        used += shape.task
     return rows
 
 
@@ -124,13 +139,18 @@ def run(
 
 
 def check(
-    tokens: list[int], width: str, device: torch.device, dtype: torch.dtype, dense_max: int
+    tokens: list[int],
+    width: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    dense_max: int,
+    shape: RowShape = AGENT,
 ) -> list[dict[str, Any]]:
     """One result per (tokens, way, grad): seconds, peak memory, gaps to "rows"."""
     peft = model(width, device, dtype)
     results = []
     for n in tokens:
-        rows = agent_rows(n)
+        rows = agent_rows(n, shape=shape)
         for grad in (False, True):
             ways = ["rows", "tree"] + (["dense"] if n <= dense_max else [])
             if not grad or device.type == "cuda":  # torch's FlexAttention has no CPU backward
