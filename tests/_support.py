@@ -12,30 +12,41 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
     from fastapi import Request
-    from journeyman import CapturedCall, Inference, ModelConfig, TrainableModel, Trajectory
+    from journeyman import CapturedCall, Inference, ModelConfig, TrainableModel, Trajectory, TrajectoryGroup
     from journeyman.chat.formats import ChatFormat
     from journeyman.engine.scripted import Script, ScriptedEngine
     from journeyman.serving.endpoint import Endpoint, ServerThread
-    from openai.types.chat.chat_completion import Choice
+    from openai.types.chat.chat_completion import ChatCompletion, Choice
 
-WEATHER_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
+
+def function_tool(
+    name: str,
+    description: str | None,
+    properties: dict[str, dict[str, Any]],
+    required: Sequence[str] = (),
+) -> dict[str, Any]:
+    """An OpenAI function tool taking an object of `properties` (name -> JSON schema). Keys keep one
+    order (name, description, parameters): a chat template renders the tool as JSON, order and all."""
+    parameters: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        parameters["required"] = list(required)
+    function = {
+        "name": name,
+        **({"description": description} if description else {}),
+        "parameters": parameters,
+    }
+    return {"type": "function", "function": function}
+
+
+WEATHER_TOOL = function_tool(
+    "get_weather", "Current weather for a city", {"city": {"type": "string"}}, ["city"]
+)
 # One worked example makes the 135M model imitate the tool-call format.
 FEW_SHOT: list[dict[str, Any]] = [
     {"role": "system", "content": "You answer weather questions. Always call get_weather first."},
@@ -142,30 +153,55 @@ async def tool_round_trip(model: TrainableModel) -> tuple[Choice, Choice, Trajec
     return call, second.choices[0], traj
 
 
+def _choice(
+    message: dict[str, Any], prompt: Sequence[int] | None, sampled: Sequence[int], finish_reason: str
+) -> dict[str, Any]:
+    """A chat choice's JSON as the endpoint writes it; its token record (logprob -0.5 a token, step
+    0, under the extra field `journeyman`) unless `prompt` is None (a foreign call's)."""
+    from journeyman import TokenRecord
+
+    choice: dict[str, Any] = {
+        "index": 0,
+        "finish_reason": finish_reason,
+        "message": message,
+        "logprobs": None,
+    }
+    if prompt is not None:
+        choice["journeyman"] = TokenRecord(
+            prompt_token_ids=list(prompt),
+            token_ids=list(sampled),
+            logprobs=[-0.5] * len(sampled),
+            model="m@0",
+            step=0,
+            finish_reason=finish_reason,
+        ).model_dump()
+    return choice
+
+
 def recorded_choice(
     content: str = "x", prompt_token_ids: Sequence[int] = (1, 2), token_ids: Sequence[int] = (5, 6)
 ) -> Choice:
-    """An assistant choice as the endpoint returns it: `content` with a token record (logprob -0.5 a
-    token, step 0) under the extra field `journeyman`."""
-    from journeyman import TokenRecord
+    """An assistant choice as the endpoint returns it: `content` with its token record."""
     from openai.types.chat.chat_completion import Choice
 
-    record = TokenRecord(
-        prompt_token_ids=list(prompt_token_ids),
-        token_ids=list(token_ids),
-        logprobs=[-0.5] * len(token_ids),
-        model="m@0",
-        step=0,
-        finish_reason="stop",
-    )
-    return Choice.model_validate(
-        {
-            "index": 0,
-            "finish_reason": "stop",
-            "message": {"role": "assistant", "content": content},
-            "journeyman": record.model_dump(),
-        }
-    )
+    message = {"role": "assistant", "content": content}
+    return Choice.model_validate(_choice(message, prompt_token_ids, token_ids, "stop"))
+
+
+def captured_call(
+    messages: list[dict[str, Any]],
+    prompt: Sequence[int] | None,
+    sampled: Sequence[int],
+    message: dict[str, Any],
+    tools: list[dict[str, Any]] | None,
+) -> CapturedCall:
+    """A call as the endpoint files it: `message` answered to `messages` (finished by its tool calls
+    when it has some), with a token record unless `prompt` is None (a foreign call)."""
+    from journeyman import CapturedCall
+
+    finish = "tool_calls" if message.get("tool_calls") else "stop"
+    response = {"id": "chatcmpl-x", "choices": [_choice(message, prompt, sampled, finish)]}
+    return CapturedCall(request_messages=messages, tools=tools, response=response)
 
 
 def embedded_chat_format() -> ChatFormat:
@@ -271,20 +307,86 @@ class ScriptedBackend:
         self._models.clear()
 
 
+async def ask(model: TrainableModel, messages: Any, **request: Any) -> ChatCompletion:
+    """A chat completion of `model` through its endpoint (its own OpenAI client, under its name)."""
+    return await model.openai_client().chat.completions.create(model=model.name, messages=messages, **request)
+
+
+async def check_stop_string(model: TrainableModel, messages: list[dict[str, Any]]) -> None:
+    """Stop strings end a completion before them, finished as "stop" (the same check on every engine)."""
+    stopped = await ask(model, messages, max_tokens=40, temperature=0, stop=["\n", "."])
+    (choice,) = stopped.choices
+    assert "." not in (choice.message.content or "") and choice.finish_reason == "stop"
+
+
+async def wait_until(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Poll `check` on the event loop (every 10 ms, so work on the loop goes on) until it holds; a
+    check that never holds fails the test after `timeout_s`."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s"
+        await asyncio.sleep(0.01)
+
+
+def force_signal(groups: Sequence[TrajectoryGroup]) -> None:
+    """Rewards 0, 1, 0, ... within each group: a step always has something to learn from."""
+    for g in groups:
+        for i, t in enumerate(g.trajectories):
+            t.reward = float(i % 2)
+
+
+async def task_groups(
+    model: TrainableModel, *, groups: int = 2, size: int = 2, max_tokens: int = 8, signal: bool = True
+) -> list[TrajectoryGroup]:
+    """`groups` groups of `size` rollouts of the built-in task's train scenarios, sampled by `model`;
+    with `signal`, their rewards forced apart (`force_signal`)."""
+    from journeyman import TrajectoryGroup, gather_trajectory_groups
+    from journeyman.app import tasks
+
+    client = model.openai_client()
+    gathered = await gather_trajectory_groups(
+        (
+            TrajectoryGroup(tasks.rollout(model, client, s, max_tokens=max_tokens) for _ in range(size))
+            for s in tasks.scenarios("train", groups)
+        ),
+        pbar_desc=None,
+    )
+    if signal:
+        force_signal(gathered)
+    return gathered
+
+
+def one_node_graph(node: Callable[..., Any], name: str = "agent") -> Any:
+    """A compiled LangGraph graph over `MessagesState` that runs `node` once: START -> name -> END."""
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    g = StateGraph(MessagesState)
+    g.add_node(name, node)
+    g.add_edge(START, name)
+    g.add_edge(name, END)
+    return g.compile()
+
+
+# The 2-layer, 64-wide shape the CPU tests of the trainer, packing, sharding and precision build
+# with random weights, in any architecture's transformers config.
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
 def tiny_llama_config(vocab_size: int = 128, max_position_embeddings: int = 256, **overrides: Any) -> Any:
-    """The 2-layer, 64-wide Llama shape the CPU tests of the trainer, packing, sharding and precision
-    build with random weights (a transformers LlamaConfig; `overrides` set any other field)."""
+    """A transformers LlamaConfig of `TINY_SHAPE`; `overrides` set any other field."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_position_embeddings,
-        **overrides,
+        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, **TINY_SHAPE, **overrides
     )
 
 
@@ -346,41 +448,82 @@ async def streamed_chat(client: Any, ask: dict[str, Any]) -> tuple[list[str], di
     return deltas, record
 
 
-_TRAJ = re.compile(r'<trajectory id="(\d+)">\n(.*?)\n</trajectory>', re.DOTALL)
-
-
-class RuleJudge:
-    """A judge endpoint (test_ruler, test_art_compat): 10 for a trajectory that mentions Paris, 2
-    otherwise; wrong on request."""
+class ChatServer:
+    """An OpenAI-compatible `/v1/chat/completions` on 127.0.0.1 (a judge, a scenario generator) whose
+    one assistant message answering a request is `await self.answer(body)`, a subclass's rule. It
+    keeps every request body in `requests`; `routes` may add routes before it starts; `with` stops it."""
 
     def __init__(self) -> None:
         from fastapi import FastAPI, Request
         from journeyman.serving.endpoint import ServerThread
+        from journeyman.serving.openai_http import chat_completion_body
 
         self.requests: list[dict[str, Any]] = []
-        self.plan: list[str] = []  # how to answer the next requests: short | bad_ids | prose (then ok)
         app = FastAPI()
 
         async def complete(request: Request) -> dict[str, Any]:
-            return await self._complete(request)
+            body = await request.json()
+            self.requests.append(body)
+            message = {"role": "assistant", "content": await self.answer(body)}
+            return chat_completion_body(
+                body["model"], [{"index": 0, "message": message, "finish_reason": "stop"}], 1, 1
+            )
 
         complete.__annotations__ = {
             "request": Request,
             "return": dict,
         }  # FastAPI reads the class, not a string
         app.post("/v1/chat/completions")(complete)
-        self.server = ServerThread(app)
+        self.routes(app)
+        self.server: ServerThread = ServerThread(app)
         self.base_url = self.server.base_url
 
-    async def _complete(self, request: Request) -> dict[str, Any]:
-        from journeyman.serving.openai_http import chat_completion_body
+    def routes(self, app: Any) -> None:
+        """More routes of the server (none here)."""
 
-        body = await request.json()
-        self.requests.append(body)
-        ids = body["response_format"]["json_schema"]["schema"]["properties"]["scores"]["items"]["properties"][
-            "trajectory_id"
-        ]["enum"]
-        shown = dict(_TRAJ.findall(body["messages"][1]["content"]))
+    async def answer(self, body: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop()
+
+    @classmethod
+    def module_fixture(cls, name: str) -> Any:
+        """A pytest fixture called `name`: one server for the tests of a module, stopped after them."""
+        import pytest
+
+        @pytest.fixture(scope="module", name=name)
+        def serve() -> Iterator[Self]:
+            with cls() as server:
+                yield server
+
+        return serve
+
+
+_TRAJ = re.compile(r'<trajectory id="(\d+)">\n(.*?)\n</trajectory>', re.DOTALL)
+
+
+def ruler_request(body: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """What a RULER request asks, read as any judge would: the trajectory ids its response schema
+    allows, and each trajectory's text from the prompt (id -> text)."""
+    schema = body["response_format"]["json_schema"]["schema"]
+    ids = schema["properties"]["scores"]["items"]["properties"]["trajectory_id"]["enum"]
+    return ids, dict(_TRAJ.findall(body["messages"][1]["content"]))
+
+
+class RuleJudge(ChatServer):
+    """A judge endpoint (test_ruler, test_art_compat): 10 for a trajectory that mentions Paris, 2
+    otherwise; wrong on request."""
+
+    def __init__(self) -> None:
+        self.plan: list[str] = []  # how to answer the next requests: short | bad_ids | prose (then ok)
+        super().__init__()
+
+    async def answer(self, body: dict[str, Any]) -> str:
+        ids, shown = ruler_request(body)
         scores = [
             {
                 "trajectory_id": i,
@@ -394,10 +537,4 @@ class RuleJudge:
             scores = scores[:-1]
         elif mode == "bad_ids":
             scores[0]["trajectory_id"] = "99"
-        content = "I think they are all fine." if mode == "prose" else json.dumps({"scores": scores})
-        return chat_completion_body(
-            body["model"],
-            [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-            1,
-            1,
-        )
+        return "I think they are all fine." if mode == "prose" else json.dumps({"scores": scores})

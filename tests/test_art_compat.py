@@ -20,7 +20,7 @@ import journeyman as jm
 import journeyman.art as art
 import openai
 import pytest
-from _support import RuleJudge
+from _support import RuleJudge, one_node_graph
 from journeyman.art.langgraph import init_chat_model, wrap_rollout
 from journeyman.art.rewards import ruler_score_group
 from journeyman.art.utils import iterate_dataset, limit_concurrency
@@ -129,17 +129,22 @@ def test_internal_config_is_translated_and_the_rest_warned_about_once() -> None:
         model.train_config(None, {"plot_tensors": True})
 
 
-async def test_a_prompted_model_asks_the_base_model_by_its_name(scripted: Any) -> None:
-    """ART's comparison model: `art.Model` with `inference_model_name` set to the base model, which the
-    endpoint serves under that name (a validator asking for it no longer gets a 404)."""
-    model, backend = scripted
-    base = art.Model(
+def _base_model(model: Any) -> art.Model:
+    """ART's comparison model: `art.Model` asking `model`'s endpoint for the base model by its name."""
+    return art.Model(
         name="base",
         project="art",
         inference_base_url=model.inference_base_url,
         inference_api_key=model.inference_api_key,
         inference_model_name=model.base_model,
     )
+
+
+async def test_a_prompted_model_asks_the_base_model_by_its_name(scripted: Any) -> None:
+    """ART's comparison model: `art.Model` with `inference_model_name` set to the base model, which the
+    endpoint serves under that name (a validator asking for it no longer gets a 404)."""
+    model, backend = scripted
+    base = _base_model(model)
     traj = await rollout(base, "Hi")
     assert backend.engine(model).requests[-1][1].base
     assert isinstance(art.TrainableModel(name="t", project="art"), art.Model)  # as in ART
@@ -160,11 +165,7 @@ async def test_a_prompted_model_asks_the_base_model_by_its_name(scripted: Any) -
 # -- RULER and LangGraph ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def rule_judge() -> Iterator[RuleJudge]:
-    judge = RuleJudge()
-    yield judge
-    judge.server.stop()
+rule_judge = RuleJudge.module_fixture("rule_judge")
 
 
 def answers(*texts: str) -> art.TrajectoryGroup:
@@ -201,7 +202,7 @@ async def test_ruler_with_ARTs_arguments(
 
 
 async def test_wrap_rollout_records_a_langgraph_graph(scripted: Any) -> None:
-    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.graph import MessagesState
 
     model, backend = scripted
     backend.engine(model).script = ["Paris.", "Lyon."]
@@ -212,11 +213,7 @@ async def test_wrap_rollout_records_a_langgraph_graph(scripted: Any) -> None:
         async def answer(state: MessagesState) -> dict[str, Any]:
             return {"messages": [await llm.ainvoke(state["messages"])]}
 
-        graph = StateGraph(MessagesState)
-        graph.add_node("answer", answer)
-        graph.add_edge(START, "answer")
-        graph.add_edge("answer", END)
-        out = await graph.compile().ainvoke({"messages": [("user", scenario)]})  # pyright: ignore[reportArgumentType]
+        out = await one_node_graph(answer, "answer").ainvoke({"messages": [("user", scenario)]})  # pyright: ignore[reportArgumentType]
         said = str(out["messages"][-1].content)
         return art.Trajectory(messages_and_choices=[], reward=1.0 if "Paris" in said else 0.0)
 
@@ -304,13 +301,7 @@ async def test_an_ART_training_loop_trains_logs_and_resumes_from_object_storage(
             result.step == 1 and result.checkpoint_path is not None and Path(result.checkpoint_path).is_dir()
         )
 
-        base = art.Model(
-            name="base",
-            project="art",
-            inference_base_url=model.inference_base_url,
-            inference_api_key=model.inference_api_key,
-            inference_model_name=model.base_model,
-        )
+        base = _base_model(model)
         val = await art.gather_trajectory_groups(
             [art.TrajectoryGroup(rollout(base, SCENARIOS[0], k) for k in range(2))], pbar_desc=None
         )

@@ -9,8 +9,7 @@ to what the framework saw; and each later call's prompt must hold the earlier sa
 from __future__ import annotations
 
 import itertools
-import secrets
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,12 +20,21 @@ from journeyman.backends.server import ServerProcess
 pytestmark = pytest.mark.integration
 
 
+# Enums, not any string, for the tools' argument: at temperature 1 the 135M model's free-text
+# argument could run past max_tokens, cutting the forced call off, and the run then ended after one
+# LLM call.
+City = Literal["Paris", "Tokyo", "Lima", "Oslo"]
+
+
 @pytest.fixture(scope="module")
-def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[jm.RemoteBackend, ServerProcess]]:
-    token = secrets.token_urlsafe(24)
-    server = ServerProcess(tmp_path_factory.mktemp("serve"), token).start()
-    yield jm.RemoteBackend(server.url, token=token, progress=False), server
-    server.kill()
+def remote(remote_server: ServerProcess) -> jm.RemoteBackend:
+    return jm.RemoteBackend(remote_server.url, token=remote_server.token, progress=False)
+
+
+async def _registered(backend: jm.RemoteBackend, name: str) -> jm.TrainableModel:
+    model = jm.TrainableModel(name=name, project="p")
+    await model.register(backend)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -60,23 +68,16 @@ def check_exact(base: tuple[Any, Any], history: jm.History) -> list[jm.TokenReco
 
 
 @pytest.mark.slow
-async def test_agents_sdk_runner_on_a_remote_backend(
-    remote: tuple[jm.RemoteBackend, ServerProcess], base: tuple[Any, Any]
-) -> None:
+async def test_agents_sdk_runner_on_a_remote_backend(remote: jm.RemoteBackend, base: tuple[Any, Any]) -> None:
     from agents import Agent, ModelSettings, function_tool
     from journeyman_agents import TrainableRunner
 
-    # Enums, not any string (here and in the LangGraph test): at temperature 1 the 135M model's
-    # free-text argument could run past max_tokens, cutting the forced call off, and the run then
-    # ended after one LLM call.
     @function_tool
-    def get_weather(city: Literal["Paris", "Tokyo", "Lima", "Oslo"]) -> str:
+    def get_weather(city: City) -> str:
         """Current weather for a city."""
         return f"It is sunny and 21 C in {city}."
 
-    backend, _ = remote
-    model = jm.TrainableModel(name="agents-remote", project="p")
-    await model.register(backend)
+    model = await _registered(remote, "agents-remote")
     agent = Agent(
         name="Weather",
         instructions="You answer weather questions. Use the get_weather tool, then answer in one sentence.",
@@ -92,7 +93,7 @@ async def test_agents_sdk_runner_on_a_remote_backend(
 
 
 async def test_langgraph_decorators_on_a_remote_backend(
-    remote: tuple[jm.RemoteBackend, ServerProcess], base: tuple[Any, Any]
+    remote: jm.RemoteBackend, base: tuple[Any, Any]
 ) -> None:
     from journeyman_langgraph import chat_model, trainable, trajectory
     from langchain.agents import create_agent
@@ -101,7 +102,7 @@ async def test_langgraph_decorators_on_a_remote_backend(
     from langchain_core.tools import tool
 
     @tool
-    def get_time(city: Literal["Paris", "Tokyo", "Lima", "Oslo"]) -> str:
+    def get_time(city: City) -> str:
         """The local time in a city."""
         return f"TIME {city}: 09:30"
 
@@ -113,9 +114,7 @@ async def test_langgraph_decorators_on_a_remote_backend(
                 return await handler(request.override(model_settings={"max_tokens": 6}))
             return await handler(request.override(tool_choice="required"))
 
-    backend, _ = remote
-    model = jm.TrainableModel(name="langgraph-remote", project="p")
-    await model.register(backend)
+    model = await _registered(remote, "langgraph-remote")
     agent = create_agent(trainable(chat_model(model)), tools=[get_time], middleware=[ToolThenAnswer()])
 
     @trajectory(model)

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, TypedDict
 
 import journeyman as jm
 import pytest
+from _support import one_node_graph
 from journeyman.chat.formats import ChatFormat
 from journeyman.training.rows import trajectory_rows
 from journeyman_langgraph import chat_model, current_trajectory, init_chat_model, trainable, trajectory
@@ -231,10 +232,17 @@ class WeatherState(TypedDict):
     messages: Annotated[list[AnyMessage], add_messages]
 
 
-def weather_graph(llm: Any) -> Any:
-    """One policy call (a forced call of one tool, short prompt), then the tool: cheap enough for 16."""
+class ToolBudgetError(RuntimeError):
+    """A node's own failure: the agent looked the weather up twice and still gave no answer."""
+
+
+def weather_graph(llm: Any, *, loop: bool = False) -> Any:
+    """One policy call (a forced call of one tool, short prompt), then the tool: cheap enough for 16.
+    `loop`: back to the policy after the tool, every visit another call; the third visit raises."""
 
     def agent(state: WeatherState) -> dict[str, Any]:
+        if loop and sum(isinstance(m, ToolMessage) for m in state["messages"]) >= 2:
+            raise ToolBudgetError("two weather lookups and still no answer")
         return {
             "messages": [llm.bind_tools([get_weather], tool_choice="get_weather").invoke(state["messages"])]
         }
@@ -244,7 +252,7 @@ def weather_graph(llm: Any) -> Any:
     g.add_node("tools", ToolNode([get_weather]))
     g.add_edge(START, "agent")
     g.add_edge("agent", "tools")
-    g.add_edge("tools", END)
+    g.add_edge("tools", "agent" if loop else END)
     return g.compile()
 
 
@@ -332,13 +340,7 @@ async def test_mark_the_policy_advice_only_when_nothing_was_marked(scripted: Any
 
 
 def _subgraph(llm: Any) -> Any:
-    def agent(state: WeatherState) -> dict[str, Any]:
-        return {"messages": [llm.invoke(state["messages"])]}
-
-    g = StateGraph(WeatherState)
-    g.add_node("agent", agent)
-    g.add_edge(START, "agent")
-    return g.compile()
+    return one_node_graph(lambda state: {"messages": [llm.invoke(state["messages"])]})
 
 
 async def test_subgraph_calls_are_named_by_their_path(scripted: Any) -> None:
@@ -364,29 +366,6 @@ async def test_subgraph_calls_are_named_by_their_path(scripted: Any) -> None:
     assert len(t.records()) == 3
 
 
-class ToolBudgetError(RuntimeError):
-    """A node's own failure: the agent looked the weather up twice and still gave no answer."""
-
-
-def looping_graph(llm: Any) -> Any:
-    """The policy calls get_weather on every visit; the agent node raises on the third."""
-
-    def agent(state: WeatherState) -> dict[str, Any]:
-        if sum(isinstance(m, ToolMessage) for m in state["messages"]) >= 2:
-            raise ToolBudgetError("two weather lookups and still no answer")
-        return {
-            "messages": [llm.bind_tools([get_weather], tool_choice="get_weather").invoke(state["messages"])]
-        }
-
-    g = StateGraph(WeatherState)
-    g.add_node("agent", agent)
-    g.add_node("tools", ToolNode([get_weather]))
-    g.add_edge(START, "agent")
-    g.add_edge("agent", "tools")
-    g.add_edge("tools", "agent")
-    return g.compile()
-
-
 async def test_episode_whose_node_raises_is_a_trajectory_and_trains(
     served: Any, chat_format: ChatFormat
 ) -> None:
@@ -394,7 +373,9 @@ async def test_episode_whose_node_raises_is_a_trajectory_and_trains(
     # a model of its own on the shared backend (one more LoRA policy, ~1 s): this test trains it
     model = jm.TrainableModel(name="langgraph-failed-runs", project="tests")
     await model.register(backend)
-    graph = looping_graph(trainable(chat_model(model, max_tokens=TOOL_MAX_TOKENS, temperature=0.0)))
+    graph = weather_graph(
+        trainable(chat_model(model, max_tokens=TOOL_MAX_TOKENS, temperature=0.0)), loop=True
+    )
     answer = trainable(chat_model(model, max_tokens=4))
 
     @trajectory(model, error_reward=lambda t: -float(len(t.records())))  # on_error="score", the default
@@ -455,24 +436,16 @@ async def test_episode_whose_node_raises_is_a_trajectory_and_trains(
         trajectory(model, on_error="ignore")  # type: ignore[arg-type]
 
 
-class _Chat(TypedDict):
-    messages: Annotated[list[AnyMessage], add_messages]
-
-
 async def test_messages_mode_streams_tokens_as_they_are_sampled(served: Any, chat_format: ChatFormat) -> None:
     """`stream_mode="messages"` gets the answer in many chunks as the engine samples it (issue 36),
     and the episode still records the exact ids whose text the chunks add up to."""
     model, _ = served
     llm = trainable(chat_model(model, max_tokens=40, temperature=0.0))
 
-    async def agent(state: _Chat) -> dict[str, Any]:
+    async def agent(state: WeatherState) -> dict[str, Any]:
         return {"messages": [await llm.ainvoke(state["messages"])]}
 
-    g = StateGraph(_Chat)
-    g.add_node("agent", agent)
-    g.add_edge(START, "agent")
-    g.add_edge("agent", END)
-    graph = g.compile()
+    graph = one_node_graph(agent)
     chunks: list[str] = []
 
     @trajectory(model)
@@ -496,16 +469,6 @@ async def test_messages_mode_streams_tokens_as_they_are_sampled(served: Any, cha
 # placeholder key: this machine cannot reach OpenAI, so a call that went there would fail the test.
 
 
-def _one_node_graph(llm: Any) -> Any:
-    async def agent(state: WeatherState) -> dict[str, Any]:
-        return {"messages": [await llm.ainvoke(state["messages"])]}
-
-    g = StateGraph(WeatherState)
-    g.add_node("agent", agent)
-    g.add_edge(START, "agent")
-    return g.compile()
-
-
 async def test_a_nested_graph_in_a_marked_node_is_served_and_becomes_its_own_history(scripted: Any) -> None:
     model, backend = scripted
     engine = backend.engine(model)
@@ -517,7 +480,11 @@ async def test_a_nested_graph_in_a_marked_node_is_served_and_becomes_its_own_his
     policy = chat_model(model)
     # a sub-agent as LangGraph's examples write it: OpenAI's model name, a key that is never used
     critic = ChatOpenAI(model="gpt-4.1-mini", api_key=SecretStr("sk-placeholder"), max_retries=0, timeout=10)
-    reviewer = _one_node_graph(critic)
+
+    async def review_node(state: WeatherState) -> dict[str, Any]:
+        return {"messages": [await critic.ainvoke(state["messages"])]}
+
+    reviewer = one_node_graph(review_node)
 
     @trainable
     async def lead(state: WeatherState) -> dict[str, Any]:
@@ -525,10 +492,7 @@ async def test_a_nested_graph_in_a_marked_node_is_served_and_becomes_its_own_his
         review = await reviewer.ainvoke({"messages": [HumanMessage(f"Check this answer: {answer.content}")]})
         return {"messages": [answer, review["messages"][-1]]}
 
-    g = StateGraph(WeatherState)
-    g.add_node("lead", lead)
-    g.add_edge(START, "lead")
-    graph = g.compile()
+    graph = one_node_graph(lead, "lead")
 
     @trajectory(model)
     async def rollout() -> float:

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi import FastAPI, Request
-from journeyman.serving.endpoint import ServerThread
-from journeyman.serving.openai_http import chat_completion_body
+from _support import ChatServer
 from journeyman_mcp.rollout import RolloutConfig, rollout
 from journeyman_mcp.scenarios import CheckTools, generate_scenarios, generation_schema
 from journeyman_mcp.server import ServerInfo, ServerSpec, SessionPool, tool_kind
@@ -26,22 +23,13 @@ def _call(tool: str, args: dict[str, Any]) -> dict[str, str]:
     return {"tool": tool, "arguments": json.dumps(args)}
 
 
-class RuleGenerator:
+class RuleGenerator(ChatServer):
     """An OpenAI-compatible generator that answers by rule: for each person, a two-step task (look
     the person up, then add an observation) whose setup creates the person, with a read-only check
     that the observation is there afterwards, and one check on a tool that writes (which the
     harness must drop, whatever the generator says)."""
 
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        app = FastAPI()
-        app.post("/v1/chat/completions")(self._complete)
-        self.server = ServerThread(app)
-        self.base_url = self.server.base_url
-
-    async def _complete(self, request: Request) -> dict[str, Any]:
-        body = await request.json()
-        self.requests.append(body)
+    async def answer(self, body: dict[str, Any]) -> str:
         scenarios = [
             {
                 "task": f"Look up {name} in the memory graph, then add the observation '{fact}' to her entity.",
@@ -86,22 +74,11 @@ class RuleGenerator:
                     ],
                 }
             ]
-            content = json.dumps({"scenarios": scenarios, "read_only_tools": ["list_tasks"]})
-        else:
-            content = json.dumps({"scenarios": scenarios})
-        return chat_completion_body(
-            body["model"],
-            [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-            1,
-            1,
-        )
+            return json.dumps({"scenarios": scenarios, "read_only_tools": ["list_tasks"]})
+        return json.dumps({"scenarios": scenarios})
 
 
-@pytest.fixture(scope="module")
-def rule_generator() -> Iterator[RuleGenerator]:
-    gen = RuleGenerator()
-    yield gen
-    gen.server.stop()
+rule_generator = RuleGenerator.module_fixture("rule_generator")
 
 
 def test_tool_kinds_come_from_annotations_and_else_from_the_generator() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import journeyman as jm
 import pytest
+from _support import function_tool
 from journeyman.data.paths import cache_dir
 from journeyman_mcp.scenarios import Check, generate_scenarios, schema_scenarios, split
 from journeyman_mcp.server import ServerInfo, ServerSpec, SessionPool, bound_strings
@@ -306,16 +307,7 @@ async def test_the_local_model_generates_scenarios_under_the_schema(served: tupl
     await model.register(backend)  # type: ignore[attr-defined]  # `local` is this context's latest backend
     info = ServerInfo(
         name="todo",
-        tools=[
-            {
-                "type": "function",
-                "function": {
-                    "name": "add_task",
-                    "description": "Add a task to the to-do list",
-                    "parameters": {"type": "object", "properties": {"title": {"type": "string"}}},
-                },
-            },
-        ],
+        tools=[function_tool("add_task", "Add a task to the to-do list", {"title": {"type": "string"}})],
     )
     got, report = await generate_scenarios(
         info,

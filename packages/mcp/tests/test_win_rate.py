@@ -5,17 +5,13 @@ the example to-do server (stdio)."""
 from __future__ import annotations
 
 import json
-import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import journeyman as jm
 import pytest
-from fastapi import FastAPI, Request
-from journeyman.serving.endpoint import ServerThread
-from journeyman.serving.openai_http import chat_completion_body
+from _support import ChatServer, ruler_request
 from journeyman_mcp.players import resolve_against
 from journeyman_mcp.rollout import COMPLETE_TOOL, RolloutConfig, system_prompt
 from journeyman_mcp.scenarios import Scenario
@@ -26,28 +22,16 @@ from journeyman_mcp.winrate import WinRate, combine, wilson, win_rate
 ROOT = Path(__file__).resolve().parents[3]
 TODO_SERVER = [sys.executable, str(ROOT / "examples" / "mcp_todo_server.py")]
 MARKER = "zebra"  # what the rule judge prefers, and what the adapter is taught to write
-_TRAJ = re.compile(r'<trajectory id="(\d+)">\n(.*?)\n</trajectory>', re.DOTALL)
 
 
-class PairJudge:
+class PairJudge(ChatServer):
     """A judge endpoint that reads the RULER request as any judge would (trajectories from the
     prompt, ids from the schema). Asked for model "rule": 10 for a trajectory that mentions the
     marker, 2 otherwise. Asked for "first": 10 for whichever trajectory it reads first (a pure
     position bias)."""
 
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        app = FastAPI()
-        app.post("/v1/chat/completions")(self._complete)
-        self.server = ServerThread(app)
-        self.base_url = self.server.base_url
-
-    async def _complete(self, request: Request) -> dict[str, Any]:
-        body = await request.json()
-        self.requests.append(body)
-        schema = body["response_format"]["json_schema"]["schema"]
-        ids = schema["properties"]["scores"]["items"]["properties"]["trajectory_id"]["enum"]
-        shown = dict(_TRAJ.findall(body["messages"][1]["content"]))
+    async def answer(self, body: dict[str, Any]) -> str:
+        ids, shown = ruler_request(body)
 
         def score(i: str) -> int:
             if body["model"] == "first":
@@ -55,25 +39,10 @@ class PairJudge:
             return 10 if MARKER in shown[i] else 2
 
         scores = [{"trajectory_id": i, "explanation": "", "score": score(i)} for i in ids]
-        return chat_completion_body(
-            body["model"],
-            [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": json.dumps({"scores": scores})},
-                    "finish_reason": "stop",
-                }
-            ],
-            1,
-            1,
-        )
+        return json.dumps({"scores": scores})
 
 
-@pytest.fixture(scope="module")
-def pair_judge() -> Iterator[PairJudge]:
-    judge = PairJudge()
-    yield judge
-    judge.server.stop()
+pair_judge = PairJudge.module_fixture("pair_judge")
 
 
 # -- pure parts --------------------------------------------------------------------------------------

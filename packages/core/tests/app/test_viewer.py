@@ -20,24 +20,15 @@ from typing import Any
 
 import journeyman as jm
 import pytest
-from _support import tiny_model_dir
+from _support import function_tool, tiny_model_dir
 from journeyman.app.view.server import ViewerServer
 
 pytestmark = pytest.mark.timeout(900)  # setup included: a training run on a loaded 2-core machine
 
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add_task",
-            "description": "Add a task to the to-do list.",
-            "parameters": {
-                "type": "object",
-                "properties": {"title": {"type": "string", "maxLength": 6}},
-                "required": ["title"],
-            },
-        },
-    }
+    function_tool(
+        "add_task", "Add a task to the to-do list.", {"title": {"type": "string", "maxLength": 6}}, ["title"]
+    )
 ]
 
 

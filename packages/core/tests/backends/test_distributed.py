@@ -10,7 +10,7 @@ from pathlib import Path
 import journeyman as jm
 import pytest
 import torch
-from journeyman.app import tasks
+from _support import task_groups
 from journeyman.training.collective import balanced_share
 
 pytestmark = pytest.mark.integration
@@ -57,17 +57,7 @@ async def test_two_ranks_step_like_one_and_resume_either_way(tmp_path: Path) -> 
     named error, not a hang."""
     config = jm.TrainConfig(learning_rate=1e-3, micro_batch_tokens=64)  # several micro-batches to share
     one, model1 = await _register(tmp_path / "one", 1)
-    client = model1.openai_client()
-    groups = await jm.gather_trajectory_groups(
-        (
-            jm.TrajectoryGroup(tasks.rollout(model1, client, s, max_tokens=12) for _ in range(4))
-            for s in tasks.scenarios("train", 2)
-        ),
-        pbar_desc=None,
-    )
-    for g in groups:
-        for i, t in enumerate(g.trajectories):
-            t.reward = float(i % 2)
+    groups = await task_groups(model1, size=4, max_tokens=12)
     assert (await model1.train(groups, config=config)).step == 1
     shutil.copytree(tmp_path / "one", tmp_path / "two")  # the 1-rank run at step 1
     w_step1 = _lora(one, model1)

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import journeyman as jm
 import pytest
-from _support import langfuse_receiver, tiny_model_dir
+from _support import langfuse_receiver, tiny_model_dir, wait_until
 from journeyman.backends.server import ServerProcess
 from journeyman.rollout.baseline import RunningBaseline, advantages
 
@@ -117,13 +117,6 @@ async def _call(
     return out
 
 
-async def _until(check: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
 async def test_outcomes_early_twice_unknown_and_expired(live: tuple[jm.TrainableModel, Any]) -> None:
     model, backend = live
     # settle_s: how long after the outcome a later call may still start (generous: a loaded CI machine)
@@ -137,7 +130,7 @@ async def test_outcomes_early_twice_unknown_and_expired(live: tuple[jm.Trainable
     receipt = await model.report_outcome("early", 1.0, metrics={"latency": 2.0}, group="todo")
     assert (receipt.status, receipt.calls, receipt.step) == ("accepted", 1, 0)
     await _call(model, "early", "And eggs.")
-    await _until(lambda: "early" in run.waiting)
+    await wait_until(lambda: "early" in run.waiting)
     (t,) = run.waiting["early"][0].trajectories
     assert len(t.records()) + sum(len(h.records()) for h in t.additional_histories) == 2
     assert (t.reward, t.metrics["latency"], t.metadata["outcome"]["group"]) == (1.0, 2.0, "todo")
@@ -203,27 +196,27 @@ async def test_gate_promotes_rejects_rolls_back_each_a_history_row(
     # a candidate trains from the promoted step once 4 scored episodes wait; the canary (half the
     # episodes, by id) does better than the promoted step: promoted
     await _episodes(model, 4, lambda step: 1.0, "warm")
-    await _until(lambda: run.candidate is not None)
+    await wait_until(lambda: run.candidate is not None)
     c1 = run.candidate
     assert c1 is not None and run.parents[c1] == p0 and await model.get_step() == p0
     assert f"{model.name}@{c1}" in backend.served_names()
     while run.candidate == c1:
         await _episodes(model, 2, lambda step, c=c1: 1.0 if step == c else 0.0, "canary")
-    await _until(lambda: run.busy is None or run.busy.done())
+    await wait_until(lambda: run.busy is None or run.busy.done())
     assert run.promoted == c1 and await model.get_step() == c1
 
     # the next candidate does worse on the canary: rejected, the promoted step stays
-    await _until(lambda: run.candidate is not None)
+    await wait_until(lambda: run.candidate is not None)
     c2 = run.candidate
     assert c2 is not None and run.parents[c2] == c1
     while run.candidate == c2:
         await _episodes(model, 2, lambda step, c=c2: 0.0 if step == c else 1.0, "worse")
-    await _until(lambda: run.busy is None or run.busy.done())
+    await wait_until(lambda: run.busy is None or run.busy.done())
     assert run.promoted == c1 and c2 in run.rejected
 
     # the candidate after a rejected one trains from the promoted step, not from the rejected one
     await _episodes(model, 4, lambda step: random.random(), "more")
-    await _until(lambda: run.candidate is not None)
+    await wait_until(lambda: run.candidate is not None)
     c3 = run.candidate
     assert c3 is not None and run.parents[c3] == c1
 
@@ -235,8 +228,8 @@ async def test_gate_promotes_rejects_rolls_back_each_a_history_row(
     await model.live(QUICK.model_copy(update={"episodes_per_step": 100}))
     run = backend.service(model).live
     await _episodes(model, 3, lambda step: -1.0, "drop")
-    await _until(lambda: run.promoted == p0)
-    await _until(lambda: run.busy is None or run.busy.done())
+    await wait_until(lambda: run.promoted == p0)
+    await wait_until(lambda: run.busy is None or run.busy.done())
     assert await model.get_step() == p0
 
     history = await model.history()
@@ -293,7 +286,7 @@ async def test_an_eval_function_gates_a_candidate_sampled_beside_the_promoted_st
         gated = _rows(run_history(backend, model), split="live", by="gate")
         return [r for r in gated if "evaluation" in r["reason"]]
 
-    await _until(lambda: bool(judged()), 300)
+    await wait_until(lambda: bool(judged()), 300)
     (row,) = judged()
     cand = row["step"]
     assert seen == {f"{model.name}@{cand}": cand, f"{model.name}@{promoted}": promoted}
@@ -329,7 +322,7 @@ async def test_a_gate_against_the_best_stops_a_drift_one_margin_at_a_time(
 
     for k in range(3):
         await _episodes(model, 4, lambda step: random.random(), f"best-{k}")
-        await _until(lambda k=k: len(judged()) > k, 300)
+        await wait_until(lambda k=k: len(judged()) > k, 300)
     decisions = [(r["decision"], r["live/eval"]) for r in judged()[:3]]
     assert decisions == [("promote", 0.60), ("promote", 0.56), ("reject", 0.52)], decisions
     assert "vs 0.600 for step" in judged()[2]["reason"] and "best so far" in judged()[2]["reason"]
@@ -474,7 +467,7 @@ async def test_langfuse_scores_become_the_outcomes_of_their_episodes(
         assert (again.reported, again.duplicates) == (0, 2), again
     finally:
         r.stop()
-    await _until(lambda: ids[0] in run.waiting)
+    await wait_until(lambda: ids[0] in run.waiting)
     (t,) = run.waiting[ids[0]][0].trajectories
     assert t.reward == 0.9 and t.metrics["langfuse/human"] == 0.9
     assert ids[2] not in run.waiting

@@ -173,27 +173,17 @@ def test_the_register_plan_follows_the_backend_settings() -> None:
     by default on CUDA only."""
     from journeyman.engine.vllm_server import VLLMConfig
 
-    model = ModelConfig(name="m", project="p", lora=R16)
-    cuda = plan_for_backend(
-        config("Qwen2.5-7B-Instruct"),
-        model,
-        device="cuda",
-        dtype="bfloat16",
-        trainer=TrainerConfig(),
-        vllm=VLLMConfig(gpu_memory_utilization=0.5),
-        memory=(1, 80 * GiB),
-    )
+    def register_plan(device: str, dtype: str, vllm: VLLMConfig | None, gib: int) -> MemoryPlan:
+        model = ModelConfig(name="m", project="p", lora=R16)
+        base = config("Qwen2.5-7B-Instruct")
+        return plan_for_backend(
+            base, model, device=device, dtype=dtype, trainer=TrainerConfig(), vllm=vllm, memory=(1, gib * GiB)
+        )
+
+    cuda = register_plan("cuda", "bfloat16", VLLMConfig(gpu_memory_utilization=0.5), 80)
     assert cuda.layout.engine == "vllm" and cuda.layout.engine_sleeps and cuda.setup.gradient_checkpointing
     assert cuda.setup.max_seq_len == TrainConfig().max_seq_len and cuda.fits
-    cpu = plan_for_backend(
-        config("Qwen2.5-7B-Instruct"),
-        model,
-        device="cpu",
-        dtype="float32",
-        trainer=TrainerConfig(),
-        vllm=None,
-        memory=(1, 8 * GiB),
-    )
+    cpu = register_plan("cpu", "float32", None, 8)
     assert cpu.layout.device == "cpu" and not cpu.setup.gradient_checkpointing and not cpu.fits
     assert "advice" in cpu.table()
 

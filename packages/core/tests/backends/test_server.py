@@ -7,13 +7,12 @@ import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import journeyman as jm
 import pytest
+from _support import task_groups
 from fastapi.routing import APIRoute
-from journeyman.app import tasks
 from journeyman.backends.server import ServerProcess, create_app
 from journeyman.client.wire import PREFIX
 
@@ -30,21 +29,6 @@ def _free_port() -> int:
 
 def _server(path: Path) -> ServerProcess:
     return ServerProcess(path, TOKEN, args=["--max-body-mb", "1"])
-
-
-async def _groups_with_signal(model: jm.TrainableModel, client: Any) -> list[jm.TrajectoryGroup]:
-    """Two groups of two real rollouts, rewards forced apart so that a step always trains."""
-    groups = await jm.gather_trajectory_groups(
-        (
-            jm.TrajectoryGroup(tasks.rollout(model, client, s, max_tokens=8) for _ in range(2))
-            for s in tasks.scenarios("train", 2)
-        ),
-        pbar_desc=None,
-    )
-    for g in groups:
-        for i, t in enumerate(g.trajectories):
-            t.reward = float(i % 2)
-    return groups
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +113,7 @@ async def test_rollouts_captures_and_a_train_step_through_the_server(server: Ser
     records = [jm.TokenRecord.model_validate(c.response["choices"][0]["journeyman"]) for c in calls]  # type: ignore[union-attr]
     assert all(r.token_ids and len(r.logprobs) == len(r.token_ids) and r.step == 0 for r in records)
 
-    groups = await _groups_with_signal(model, client)
+    groups = await task_groups(model)  # two groups of two, rewards forced apart
     before = backend.sent_bytes
     result = await model.train(
         groups, config=jm.TrainConfig(learning_rate=1e-3), idempotency_key="step-one-key"
@@ -170,8 +154,7 @@ async def test_a_server_killed_mid_step_resumes_and_trains_it_exactly_once(tmp_p
         backend = jm.RemoteBackend(server.url, token=TOKEN, progress=False, reconnect_s=240)
         model = jm.TrainableModel(name="killed", project="p")
         await model.register(backend)
-        client = model.openai_client()
-        groups = await _groups_with_signal(model, client)
+        groups = await task_groups(model)
         assert (await model.train(groups, idempotency_key="kill-test-step-0")).step == 1
         key = "kill-test-step-1"
         headers = {

@@ -14,8 +14,7 @@ from pathlib import Path
 import journeyman as jm
 import pytest
 import torch
-from _support import recorded_choice
-from journeyman.app import tasks
+from _support import force_signal, recorded_choice, task_groups
 from journeyman.backends.store import RunStore
 from journeyman.training.rows import trajectory_rows
 from openai.types.chat.chat_completion import Choice
@@ -153,14 +152,7 @@ async def test_the_groups_of_a_train_call_that_raised_are_kept_as_failed(served)
 
 
 async def _groups(model: jm.TrainableModel, n: int = 2, size: int = 4) -> list[jm.TrajectoryGroup]:
-    client = model.openai_client()
-    return await jm.gather_trajectory_groups(
-        (
-            jm.TrajectoryGroup(tasks.rollout(model, client, s, max_tokens=12) for _ in range(size))
-            for s in tasks.scenarios("train", n)
-        ),
-        pbar_desc=None,
-    )
+    return await task_groups(model, groups=n, size=size, max_tokens=12, signal=False)
 
 
 def _sampled_step(groups: list[jm.TrajectoryGroup]) -> int:
@@ -174,13 +166,6 @@ def _sampled_step(groups: list[jm.TrajectoryGroup]) -> int:
 
 def _fake_adapter(directory: Path, step: int) -> None:
     (directory / "adapter_model.safetensors").write_bytes(bytes([step]) * 64)
-
-
-def _force_signal(groups: list[jm.TrajectoryGroup]) -> None:
-    # Rewards that differ within each group, so the step always has something to learn from.
-    for g in groups:
-        for i, t in enumerate(g.trajectories):
-            t.reward = float(i % 2)
 
 
 def _same(a: list[torch.Tensor], b: Iterator[torch.Tensor] | list[torch.Tensor]) -> bool:
@@ -216,7 +201,7 @@ async def lifecycle(tmp_path_factory: pytest.TempPathFactory) -> _Lifecycle:
     seen["skipped"] = await model.train(flat)
 
     groups = await _groups(model)
-    _force_signal(groups)
+    force_signal(groups)
     before = [p.detach().clone() for p in service.policy.trainable_parameters()]
     seen["step1"] = await backend.train(
         model, groups, config=jm.TrainConfig(learning_rate=1e-3), trained_by="alice"
@@ -242,7 +227,7 @@ async def lifecycle(tmp_path_factory: pytest.TempPathFactory) -> _Lifecycle:
     seen["resumed_step"] = await model2.get_step()
     seen["resumed_weights"] = _same(trained, list(policy2.trainable_parameters()))
     groups = await _groups(model2)
-    _force_signal(groups)
+    force_signal(groups)
     both = await asyncio.gather(
         model2.train(groups, idempotency_key="first"), model2.train(groups, idempotency_key="second")
     )

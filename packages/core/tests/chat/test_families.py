@@ -19,7 +19,7 @@ from typing import Any
 
 import journeyman as jm
 import pytest
-from _support import weather_tools
+from _support import function_tool, weather_tools
 from filelock import FileLock
 from journeyman.chat.formats import ChatFormat, ParsedTurn, SampledTurns
 from journeyman.chat.messages import normalize_messages
@@ -457,20 +457,7 @@ def test_mistral_both_call_syntaxes_are_detected_forced_and_parsed() -> None:
 
     old, new = _template_of("mistral"), _mistral_v11()
     assert (old.family.name, new.family.name) == ("mistral", "mistral_v11")
-    two_tools = [
-        *TOOLS,
-        {
-            "type": "function",
-            "function": {
-                "name": "get_time",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"zone": {"type": "string"}},
-                    "required": ["zone"],
-                },
-            },
-        },
-    ]
+    two_tools = [*TOOLS, function_tool("get_time", None, {"zone": {"type": "string"}}, ["zone"])]
     written = {
         "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
         "mistral_v11": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',

@@ -102,6 +102,11 @@ async def test_a_step_that_lands_mid_rollout_gives_each_turn_its_own_step(local:
         assert key in done.metrics
 
 
+def _config(journal: Path, **settings: Any) -> jm.PipelineConfig:
+    """The pipeline settings of these tests: groups of two, journaled, no progress bar."""
+    return jm.PipelineConfig(group_size=2, journal=journal, progress=False, **settings)
+
+
 def _rollout(model: jm.TrainableModel, topic: str) -> Any:
     return two_turns(model, topic)
 
@@ -112,14 +117,7 @@ async def test_stale_groups_are_dropped_and_finished_groups_survive_a_restart(
     model = local
     journal = tmp_path / "journal"
     # three groups start together at step s; one trains, so the other two are one step behind
-    strict = jm.PipelineConfig(
-        group_size=2,
-        groups_per_step=1,
-        max_in_flight=3,
-        max_steps_off_policy=0,
-        journal=journal,
-        progress=False,
-    )
+    strict = _config(journal, groups_per_step=1, max_in_flight=3, max_steps_off_policy=0)
     result = await jm.PipelineTrainer(model, _rollout, ["a", "b", "c", "d", "e"], strict).train(2)
     assert result.steps == 2
     assert result.stale_groups >= 2, result
@@ -159,9 +157,7 @@ async def test_the_old_groups_of_a_wave_train_before_they_go_stale(
         await asyncio.sleep(delays[name])  # the environment, after the model's turn
         return jm.Trajectory(messages_and_choices=[*messages, choice], reward=random.random())
 
-    config = jm.PipelineConfig(
-        group_size=2, groups_per_step=2, max_steps_off_policy=1, journal=tmp_path / "j", progress=False
-    )
+    config = _config(tmp_path / "j", groups_per_step=2, max_steps_off_policy=1)
     start = await local.get_step()
     result = await jm.PipelineTrainer(local, rollout, list(delays), config).train(3)
     assert (result.steps, result.trained_groups, result.stale_groups) == (3, 6, 0), result
@@ -228,9 +224,7 @@ async def test_kill_9_mid_pipeline_loses_no_finished_group(remote_server: Any, t
     backend = jm.RemoteBackend(remote_server.url, token=remote_server.token, progress=False)
     model = jm.TrainableModel(name="pipe-remote", project="tests")
     await model.register(backend)
-    config = jm.PipelineConfig(
-        group_size=2, groups_per_step=len(pending), max_steps_off_policy=10, journal=journal, progress=False
-    )
+    config = _config(journal, groups_per_step=len(pending), max_steps_off_policy=10)
     # a train call the kill cut off goes first, again with its key; then the rest
     result = await jm.PipelineTrainer(model, _rollout, [], config).train(2)
     assert (result.resumed_groups, result.trained_groups) == (len(pending), len(pending))

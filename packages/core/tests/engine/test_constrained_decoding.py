@@ -10,6 +10,7 @@ import jsonschema
 import openai
 import pytest
 import torch
+from _support import ask, function_tool
 from journeyman.engine.base import Constraint
 from journeyman.engine.grammar import SCHEMA_FIELD, GrammarCache
 from journeyman.errors import InvalidFieldError
@@ -49,14 +50,8 @@ async def test_output_follows_the_schema(served: tuple[Any, Any]) -> None:
     with pytest.raises(json.JSONDecodeError):  # unconstrained, the model writes prose
         json.loads(free.choices[0].message.content or "")
 
-    out = await client.chat.completions.create(
-        model=model.name,
-        messages=PROMPT,
-        max_tokens=60,
-        temperature=1.0,
-        seed=7,
-        n=3,
-        response_format=_format(SCHEMA),
+    out = await ask(
+        model, PROMPT, max_tokens=60, temperature=1.0, seed=7, n=3, response_format=_format(SCHEMA)
     )
     for choice in out.choices:
         text = choice.message.content or ""
@@ -116,18 +111,9 @@ async def test_mask_allows_only_grammar_tokens(served: tuple[Any, Any]) -> None:
     assert err.value.field == SCHEMA_FIELD
 
 
-LOOKUP = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "description": "Look a city up.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-            "required": ["city"],
-        },
-    },
-}
+LOOKUP = function_tool(
+    "lookup", "Look a city up.", {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, ["city"]
+)
 ANSWER = {
     "type": "object",
     "properties": {"number": {"type": "integer", "enum": [1, 2, 3]}},

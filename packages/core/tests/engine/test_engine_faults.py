@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _support import wait_until
 from journeyman.engine.base import Sample, SamplingParams
 from journeyman.engine.torch_engine import TorchEngine
 from journeyman.errors import EngineDownError, InvalidFieldError
@@ -69,13 +70,6 @@ def _ids(results: list[list[Sample] | BaseException] | list[list[Sample]]) -> li
         assert not isinstance(r, BaseException), r
         out.append([s.token_ids for s in r])
     return out
-
-
-async def _until(check: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize(
@@ -226,7 +220,7 @@ async def test_a_dead_worker_fails_what_it_held_and_is_restarted(policy: Any, pr
             return_exceptions=True,
         )
         assert all(isinstance(r, EngineDownError) and "died" in str(r) for r in held), held
-        await _until(lambda: engine.restarts == 1)
+        await wait_until(lambda: engine.restarts == 1, 30)
         assert engine.alive
         [sample] = await engine.generate(prompt, SamplingParams(max_tokens=3, seed=3))
         assert len(sample.token_ids) == 3
@@ -237,7 +231,7 @@ async def test_a_dead_worker_fails_what_it_held_and_is_restarted(policy: Any, pr
         first = engine.scheduler.thread
         with pytest.raises(EngineDownError, match="died running this call"):
             await engine.call(crash)
-        await _until(lambda: engine.restarts == 2)
+        await wait_until(lambda: engine.restarts == 2, 30)
         assert engine.alive
         assert await engine.call(threading.current_thread) is engine.scheduler.thread is not first
         [sample] = await engine.generate(prompt, SamplingParams(max_tokens=3, seed=3))
@@ -259,11 +253,11 @@ async def test_restarts_are_bounded(policy: Any, prompt: list[int]) -> None:
     try:
         with pytest.raises(EngineDownError):
             await engine.call(crash)
-        await _until(lambda: engine.restarts == 1)
+        await wait_until(lambda: engine.restarts == 1, 30)
         await asyncio.sleep(2.1)  # that death leaves the window
         with pytest.raises(EngineDownError):
             await engine.call(crash)
-        await _until(lambda: engine.restarts == 2)
+        await wait_until(lambda: engine.restarts == 2, 30)
         assert engine.alive
         # a second death within the window: down for good; the request queued behind the call fails
         died, queued = await asyncio.gather(

@@ -27,7 +27,7 @@ import journeyman as jm
 import jsonschema
 import openai
 import pytest
-from _support import streamed_chat, tool_round_trip
+from _support import ask, check_stop_string, streamed_chat, tool_round_trip
 from journeyman.app import tasks
 from journeyman.app.demo import run_demo
 from journeyman.engine import vllm_env
@@ -185,16 +185,7 @@ async def test_greedy_records_match_the_in_process_engine(vllm_served, served) -
 async def seeded(vllm_served) -> ChatCompletion:
     """n=3 temperature-1 samples of one seed, with the top two alternatives of each token."""
     model, _ = vllm_served
-    return await model.openai_client().chat.completions.create(
-        model=model.name,
-        messages=SEA,
-        max_tokens=24,
-        temperature=1.0,
-        n=3,
-        seed=5,
-        logprobs=True,
-        top_logprobs=2,
-    )
+    return await ask(model, SEA, max_tokens=24, temperature=1.0, n=3, seed=5, logprobs=True, top_logprobs=2)
 
 
 async def test_n_samples_are_distinct_draws_recorded_exactly(vllm_served, seeded: ChatCompletion) -> None:
@@ -242,11 +233,7 @@ async def test_a_seeded_prompt_past_the_cpu_batch_budget_is_answered(vllm_served
 
 
 async def test_a_stop_string_ends_the_completion_before_it(vllm_served) -> None:
-    model, _ = vllm_served
-    stopped = await model.openai_client().chat.completions.create(
-        model=model.name, messages=SEA, max_tokens=40, temperature=0, stop=["\n", "."]
-    )
-    assert "." not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
+    await check_stop_string(vllm_served[0], SEA)
 
 
 async def test_tool_trajectory_through_vllm_is_token_exact(vllm_served) -> None:
@@ -288,14 +275,9 @@ async def test_json_schema_output_through_vllm(vllm_served) -> None:
         "required": ["verdict", "score"],
         "additionalProperties": False,
     }
-    out = await model.openai_client().chat.completions.create(
-        model=model.name,
-        messages=[{"role": "user", "content": "Is the sea blue? Answer in JSON."}],
-        max_tokens=30,
-        seed=3,
-        n=2,
-        response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": schema}},
-    )
+    ask_json = [{"role": "user", "content": "Is the sea blue? Answer in JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "v", "schema": schema}}
+    out = await ask(model, ask_json, max_tokens=30, seed=3, n=2, response_format=response_format)
     for choice in out.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), schema)
@@ -371,12 +353,8 @@ async def test_training_step_hot_loads_the_adapter_vllm_serves(vllm_served) -> N
     assert len(engine.adapter_load_seconds) >= step and max(engine.adapter_load_seconds) < 10
     assert engine.served_model == f"policy@{step}"
 
-    out = await model.openai_client().chat.completions.create(
-        model=model.name,
-        messages=[{"role": "user", "content": "Tell me about the ocean."}],
-        max_tokens=32,
-        n=4,
-        seed=1,
+    out = await ask(
+        model, [{"role": "user", "content": "Tell me about the ocean."}], max_tokens=32, n=4, seed=1
     )
     policy = backend.service(model).policy
     moved = gap = 0.0

@@ -21,7 +21,7 @@ from typing import Any
 
 import journeyman as jm
 import pytest
-from _support import langfuse_receiver
+from _support import function_tool, langfuse_receiver
 from journeyman.app import tasks
 from journeyman.integrations.langfuse import (
     META_KEY,
@@ -39,16 +39,7 @@ pytestmark = pytest.mark.integration
 
 LangfuseReceiver = langfuse_receiver().LangfuseReceiver
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "description": "The current time in a time zone",
-            "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}},
-        },
-    }
-]
+TOOLS = [function_tool("get_time", "The current time in a time zone", {"tz": {"type": "string"}})]
 # The 135M model copies this text reliably when greedy: a real sampled tool call.
 COPY_TOOL_CALL = 'Repeat exactly, with nothing else: <tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>'
 

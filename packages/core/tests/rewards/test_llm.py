@@ -10,54 +10,37 @@ import importlib.util
 import sys
 import time
 import types
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from typing import Any
 
 import journeyman as jm
 import pytest
+from _support import ChatServer
 from fastapi import FastAPI, Request
 from journeyman.client.protocol import set_current_backend
 from journeyman.rewards.llm import LLM, LLMTimeoutError, chat_client, complete_json, resolve_llm
-from journeyman.serving.endpoint import ServerThread
-from journeyman.serving.openai_http import chat_completion_body
 from openai.types.chat import ChatCompletion
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
-class Served:
+class Served(ChatServer):
     """/v1/models lists `judge` and `judge@3`; chat answers {"ok": true}, or sleeps when told to."""
 
     def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
         self.auth: list[str | None] = []
         self.delay = 0.0
-        app = FastAPI()
+        super().__init__()
 
+    def routes(self, app: FastAPI) -> None:
         @app.get("/v1/models")
         async def models(request: Request) -> dict[str, Any]:
             self.auth.append(request.headers.get("authorization"))
             return {"object": "list", "data": [{"id": "judge"}, {"id": "judge@3"}]}
 
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request) -> dict[str, Any]:
-            body = await request.json()
-            self.requests.append(body)
-            await asyncio.sleep(self.delay)
-            return chat_completion_body(
-                body["model"],
-                [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": '{"ok": true}'},
-                        "finish_reason": "stop",
-                    }
-                ],
-                1,
-                1,
-            )
-
-        self.server = ServerThread(app)
+    async def answer(self, body: dict[str, Any]) -> str:
+        await asyncio.sleep(self.delay)
+        return '{"ok": true}'
 
 
 class StandIn:
@@ -73,11 +56,7 @@ class StandIn:
         return jm.Inference(base_url=self.base_url, api_key="secret", model=name)
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    s = Served()
-    yield s
-    s.server.stop()
+served = Served.module_fixture("served")
 
 
 @pytest.fixture

@@ -12,13 +12,12 @@ import asyncio
 import functools
 import importlib.util
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import journeyman as jm
 import pytest
-from _support import RuleJudge
+from _support import RuleJudge, function_tool
 from journeyman.rewards.ruler import (
     DEFAULT_RUBRIC,
     RulerConfig,
@@ -28,12 +27,7 @@ from journeyman.rewards.ruler import (
     truncate,
 )
 
-
-@pytest.fixture(scope="module")
-def rule_judge() -> Iterator[RuleJudge]:
-    judge = RuleJudge()
-    yield judge
-    judge.server.stop()
+rule_judge = RuleJudge.module_fixture("rule_judge")
 
 
 @pytest.fixture
@@ -158,16 +152,7 @@ async def test_swallow_exceptions_skips_the_group_and_counts_it(rule_judge: Rule
 
 
 async def test_tools_calls_and_truncated_outputs_are_shown(rule_judge: RuleJudge, judge: Any) -> None:
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "description": "Weather for a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-            },
-        }
-    ]
+    tools = [function_tool("get_weather", "Weather for a city", {"city": {"type": "string"}})]
     long_output = "sunny " * 1000 + "END-OF-REPORT"
 
     def run(city: str) -> jm.Trajectory:

@@ -10,6 +10,7 @@ from typing import Any
 
 import journeyman as jm
 import pytest
+from _support import captured_call
 from journeyman.integrations import Episode, EpisodeCall
 from journeyman.rollout.capture import current_capture_id
 from openai.types.chat.chat_completion import Choice
@@ -24,22 +25,7 @@ def _call(
     messages: list[dict[str, Any]], prompt: list[int] | None, sampled: list[int], text: str
 ) -> jm.CapturedCall:
     """A served call; `prompt=None`: a foreign call without a token record."""
-    choice: dict[str, Any] = {
-        "index": 0,
-        "finish_reason": "stop",
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
-    }
-    if prompt is not None:
-        choice["journeyman"] = jm.TokenRecord(
-            prompt_token_ids=prompt,
-            token_ids=sampled,
-            logprobs=[-0.5] * len(sampled),
-            model="m@0",
-            step=0,
-            finish_reason="stop",
-        ).model_dump()
-    return jm.CapturedCall(request_messages=messages, tools=TOOLS, response={"id": "c", "choices": [choice]})
+    return captured_call(messages, prompt, sampled, {"role": "assistant", "content": text}, TOOLS)
 
 
 ASK = _call([SYSTEM, USER], [1, 2, 3], [10, 11], "lookup 7")

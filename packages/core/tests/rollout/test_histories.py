@@ -6,6 +6,7 @@ from typing import Any
 
 import journeyman as jm
 import pytest
+from _support import captured_call
 from journeyman.rollout.histories import (
     extends,
     fill_histories,
@@ -39,24 +40,7 @@ def _call(
         message["tool_calls"] = [
             {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": args}}
         ]
-    choice: dict[str, Any] = {
-        "index": 0,
-        "finish_reason": "tool_calls" if lookup is not None else "stop",
-        "message": message,
-        "logprobs": None,
-    }
-    if prompt is not None:
-        choice["journeyman"] = jm.TokenRecord(
-            prompt_token_ids=prompt,
-            token_ids=sampled,
-            logprobs=[-0.5] * len(sampled),
-            model="m@0",
-            step=0,
-            finish_reason=choice["finish_reason"],
-        ).model_dump()
-    return jm.CapturedCall(
-        request_messages=messages, tools=tools, response={"id": "chatcmpl-x", "choices": [choice]}
-    )
+    return captured_call(messages, prompt, sampled, message, tools)
 
 
 def _asked(lookup: int) -> dict[str, Any]:

@@ -12,7 +12,15 @@ import httpx
 import journeyman as jm
 import openai
 import pytest
-from _support import embedded_policy_with_adapter, few_shot, streamed_chat, tool_round_trip, weather_tools
+from _support import (
+    ask,
+    check_stop_string,
+    embedded_policy_with_adapter,
+    few_shot,
+    streamed_chat,
+    tool_round_trip,
+    weather_tools,
+)
 from journeyman.training.rows import trajectory_rows
 
 pytestmark = pytest.mark.integration
@@ -96,6 +104,7 @@ async def test_32_concurrent_requests_are_batched(served) -> None:
 
 
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
+OSLO = [{"role": "user", "content": "Weather in Oslo?"}]
 
 
 async def test_a_seed_reproduces_its_sample(served) -> None:
@@ -111,25 +120,14 @@ async def test_a_seed_reproduces_its_sample(served) -> None:
 
 
 async def test_a_stop_string_ends_the_completion_before_it(served) -> None:
-    model, _ = served
-    stopped = await model.openai_client().chat.completions.create(
-        model=model.name, messages=POEM, max_tokens=40, temperature=0, stop=["\n", "."]
-    )
-    assert "." not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
+    await check_stop_string(served[0], POEM)
 
 
 async def test_a_named_tool_choice_forces_that_tool(served) -> None:
     model, _ = served
     tools = [*TOOLS, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-    forced = await model.openai_client().chat.completions.create(
-        model=model.name,
-        messages=[{"role": "user", "content": "Weather in Oslo?"}],
-        tools=tools,
-        tool_choice={"type": "function", "function": {"name": "get_time"}},
-        temperature=1.0,
-        seed=3,
-        max_tokens=40,
-    )
+    get_time = {"type": "function", "function": {"name": "get_time"}}
+    forced = await ask(model, OSLO, tools=tools, tool_choice=get_time, temperature=1.0, seed=3, max_tokens=40)
     assert forced.choices[0].finish_reason == "tool_calls"
     assert [c.function.name for c in forced.choices[0].message.tool_calls] == ["get_time"]
 
@@ -137,19 +135,14 @@ async def test_a_named_tool_choice_forces_that_tool(served) -> None:
 async def test_a_forced_call_cut_by_max_tokens_is_length_and_its_tokens_still_train(served) -> None:
     """No half-parsed call: the text stays content, the turn is "length", its ids train."""
     model, backend = served
-    cut = await model.openai_client().chat.completions.create(
-        model=model.name,
-        messages=[{"role": "user", "content": "Weather in Oslo?"}],
-        tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=6,
-        extra_body={"store": True, "frobnicate": {"x": 1}},  # unknown fields: ignored, as vLLM does
-    )
+    get_weather = {"type": "function", "function": {"name": "get_weather"}}
+    unknown = {"store": True, "frobnicate": {"x": 1}}  # unknown fields: ignored, as vLLM does
+    cut = await ask(model, OSLO, tools=TOOLS, tool_choice=get_weather, max_tokens=6, extra_body=unknown)
     (choice,) = cut.choices
     assert choice.finish_reason == "length" and not choice.message.tool_calls, choice
     record = jm.record_of(choice)
     assert len(record.token_ids) == 6 and record.finish_reason == "length"
-    traj = jm.Trajectory(messages_and_choices=[{"role": "user", "content": "Weather in Oslo?"}, choice])
+    traj = jm.Trajectory(messages_and_choices=[*OSLO, choice])
     (row,) = trajectory_rows(traj, backend.service(model).chat_format, advantage=1.0)
     assert row.input_ids[-6:] == record.token_ids and row.trained[-6:] == [True] * 6
 

@@ -13,7 +13,7 @@ from typing import Any
 import journeyman as jm
 import pytest
 import torch
-from _support import recorded_choice, tiny_llama_config
+from _support import function_tool, recorded_choice, tiny_llama_config
 from journeyman.chat.formats import ChatFormat
 from journeyman.policy.lora import LoraPolicy
 from journeyman.training.packing import pack_rows, pack_tree
@@ -27,16 +27,7 @@ from journeyman.training.trainer import (
 )
 
 SYSTEM = "You are a filing agent. Use the tools, then state the outcome in one sentence."
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "read_page",
-            "description": "Read one page of the ledger.",
-            "parameters": {"type": "object", "properties": {"page": {"type": "integer"}}},
-        },
-    }
-]
+TOOLS = [function_tool("read_page", "Read one page of the ledger.", {"page": {"type": "integer"}})]
 OUTCOME = "All 9 pages are filed: the total is 4,512 dollars."
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from _support import tiny_llama_config
+from _support import TINY_SHAPE, tiny_llama_config
 from journeyman.training import packing
 from journeyman.training.packing import (
     Pack,
@@ -276,12 +276,8 @@ def test_a_sliding_window_layer_sees_its_window_only() -> None:
     attention (no mask of the model's own is built), prefixes run once included."""
     config = Qwen2Config(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=8192,
+        **TINY_SHAPE,
         use_sliding_window=True,
         sliding_window=6,
         layer_types=["full_attention", "sliding_attention"],
