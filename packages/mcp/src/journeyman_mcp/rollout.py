@@ -19,6 +19,7 @@ episode), else the proxy "every tool the task names was called without error".
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -143,28 +144,22 @@ async def rollout(
         kwargs: dict[str, Any] = {}
         if turn < cfg.forced_turns:
             kwargs["tool_choice"] = "required"
+        ask = functools.partial(
+            client.chat.completions.create,
+            model=name,
+            messages=messages,
+            tools=tools,
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+        )
         try:
-            completion = await client.chat.completions.create(
-                model=name,
-                messages=messages,  # type: ignore[arg-type]
-                tools=tools,  # type: ignore[arg-type]
-                max_tokens=cfg.max_tokens,
-                temperature=cfg.temperature,
-                seed=None if seed is None else seed + turn,
-                **kwargs,
-            )
+            completion = await ask(seed=None if seed is None else seed + turn, **kwargs)
         except BadRequestError as e:
             if "tool_choice" not in kwargs:
                 raise
             # A tool schema the grammar compiler cannot take: let the model answer freely instead.
             traj.log(f"forced tool call refused ({e.message[:200]}); turn {turn} is free")
-            completion = await client.chat.completions.create(
-                model=name,
-                messages=messages,  # type: ignore[arg-type]
-                tools=tools,  # type: ignore[arg-type]
-                max_tokens=cfg.max_tokens,
-                temperature=cfg.temperature,
-            )
+            completion = await ask()
         choice = completion.choices[0]
         served = jm.CapturedCall(
             request_messages=list(messages), tools=tools, response=completion.model_dump()
