@@ -4,6 +4,7 @@ TypeScript client is named there, and everything named there exists.
 The map is the fenced block under `## Layout`: a path from the repository root at the margin, then
 one entry a line, indented two spaces a level below its folder, its name (a folder ends in `/`) and
 one phrase. A folder entry stands for the folder's `__init__.py`. Read as text; nothing is imported.
+Likewise conftest.py's order of the long test files names files that exist.
 """
 
 from __future__ import annotations
@@ -115,3 +116,12 @@ def test_the_layout_reader_refuses_a_line_it_cannot_place() -> None:
         "Layout line 3: indented 6 spaces under 2 open folders: '      index.ts  its public names'",
         "Layout line 4: indented 3 spaces under 2 open folders: '   odd.ts'",
     ]
+
+
+def test_the_order_of_long_files_names_test_files_that_exist() -> None:
+    """conftest.py's FILE_SECONDS hands xdist the long files first; a moved file would lose its place
+    without a word (its tests still run, last)."""
+    keys = re.findall(r'^\s+"([^"]+\.py)": \d+,', (ROOT / "conftest.py").read_text(), re.M)
+    assert len(keys) > 10, "FILE_SECONDS moved or changed shape"
+    gone = [k for k in keys if not (ROOT / k).is_file()]
+    assert not gone, f"FILE_SECONDS names test files that are not there: {gone}"
