@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,10 @@ from journeyman.rollout.capture import CapturedCall
 
 if TYPE_CHECKING:
     from journeyman.engine.vllm_server import VLLMConfig
+
+
+StorageOptions = dict[str, Any] | None
+"""fsspec's options for the object store a run is pushed to or pulled from (credentials, endpoint)."""
 
 
 class LocalBackend:
@@ -126,21 +130,16 @@ class LocalBackend:
             raise UnknownModelError(name, self.registered())
         return self._services[name].model
 
-    async def chat_completion(
-        self,
-        body: dict[str, Any],
-        capture_id: str | None = None,
-        response_id: str | None = None,
-        on_text: Callable[[int, str], None] | None = None,
-    ) -> dict[str, Any]:
-        """Answered by the endpoint of the model `body` names (`name`, or `name@step`)."""
+    async def chat_completion(self, body: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Answered by the endpoint of the model `body` names (`name`, or `name@step`); the other
+        arguments are `Endpoint.chat_completion`'s, handed on as given (`ServedBackend` declares them)."""
         name = body.get("model")
         served = self._services.get(name.split("@")[0]) if isinstance(name, str) else None
         if served is None:  # a base model's own name: the first model registered on it serves it
             served = next((s for s in self._services.values() if s.endpoint.base_name == name), None)
         if served is None:
             raise UnknownModelError(str(name), self.served_names())
-        return await served.endpoint.chat_completion(body, capture_id, response_id, on_text)
+        return await served.endpoint.chat_completion(body, *args, **kwargs)
 
     def served_names(self) -> list[str]:
         return list(dict.fromkeys(n for s in self._services.values() for n in s.endpoint.served_names()))
@@ -268,12 +267,7 @@ class LocalBackend:
         return RunLayout.of(self.path, model.project, model.name).root
 
     async def push_run(
-        self,
-        model: ModelConfig,
-        url: str,
-        *,
-        delete: bool = False,
-        storage_options: dict[str, Any] | None = None,
+        self, model: ModelConfig, url: str, *, delete: bool = False, storage_options: StorageOptions = None
     ) -> int:
         """Copy `model`'s run (checkpoints, trajectories, history, state) to object storage at `url`
         (any fsspec URL: s3://bucket/prefix, gs://..., a path); returns the files copied. Needs
@@ -285,12 +279,7 @@ class LocalBackend:
         )
 
     async def pull_run(
-        self,
-        model: ModelConfig,
-        url: str,
-        *,
-        delete: bool = False,
-        storage_options: dict[str, Any] | None = None,
+        self, model: ModelConfig, url: str, *, delete: bool = False, storage_options: StorageOptions = None
     ) -> int:
         """Copy a run pushed to `url` into `model`'s run directory, before `register`: registering
         then resumes at its last step. Refused while the model is registered (its run is live)."""
