@@ -194,13 +194,16 @@ def test_register_on_cpu_logs_the_plan_and_does_not_refuse(
     """On the CPU a plan that does not fit is a warning in the log, not a refusal (host memory is
     shared and paged); nothing is loaded by the check."""
     from journeyman.backends.local import LocalBackend
+    from journeyman.backends.service import check_memory_plan
+    from journeyman.policy.base_weights import BaseWeights
 
     base = tmp_path / "Qwen3-32B"
     base.mkdir()
     (base / "config.json").write_text(json.dumps(config("Qwen3-32B")))
     backend = LocalBackend(path=tmp_path / "runs", device="cpu")
     with caplog.at_level(logging.INFO, logger="journeyman"):
-        backend._plan_memory(ModelConfig(name="big", project="p", base_model=str(base)), base)  # pyright: ignore[reportPrivateUsage]
+        model = ModelConfig(name="big", project="p", base_model=str(base))
+        check_memory_plan(backend.settings, model, BaseWeights(base, "cpu", backend.settings.dtype))
     text = caplog.text
     assert "Memory plan: Qwen3-32B" in text and "advice" in text
 

@@ -890,8 +890,8 @@ def plan_for_backend(
     return plan_memory(config, setup, layout, model=PurePath(str(named)).name)
 
 
-# The config.json fields the plan reads, of the models users train most (tests/model_configs.json
-# holds the whole files; a test keeps these equal to them). The embedded model's is read from disk.
+# The config.json fields the plan reads, of the models users train most (model_configs.json beside
+# packages/core/tests/backends/test_memory_plan.py holds the whole files; a test keeps these equal to them). The embedded model's is read from disk.
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-7b-instruct": {
         "_name_or_path": "Qwen/Qwen2.5-7B-Instruct",

@@ -272,7 +272,7 @@ def assemble(settings: ServingSettings, model: ModelConfig, run_dir: Path, api_k
     from journeyman.policy.base_weights import BaseWeights
 
     base = BaseWeights(path, settings.device, settings.dtype)
-    _plan_memory(settings, model, base)  # an impossible layout is refused before any weights load
+    check_memory_plan(settings, model, base)  # an impossible layout is refused before any weights load
     from journeyman.chat.formats import ChatFormat
     from journeyman.policy.lora import LoraPolicy
     from journeyman.serving.endpoint import Endpoint, ServerThread, build_app
@@ -328,7 +328,7 @@ def assemble(settings: ServingSettings, model: ModelConfig, run_dir: Path, api_k
     )
 
 
-def _plan_memory(settings: ServingSettings, model: ModelConfig, base: BaseWeights) -> None:
+def check_memory_plan(settings: ServingSettings, model: ModelConfig, base: BaseWeights) -> None:
     """Log what each GPU will hold (`backends/memory_plan.py`, from the base's config.json and
     TrainConfig's defaults); on CUDA refuse, with ImpossiblePlanError naming what to change, a
     layout that cannot fit. On the CPU it is advice only: host memory is shared and paged."""
