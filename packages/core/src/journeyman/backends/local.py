@@ -82,9 +82,38 @@ class LocalBackend:
         # from it or file captures; `inference()` hands it to this process's clients.
         self.api_key = secrets.token_urlsafe(24)
 
+    # The settings under the names they have always had as the backend's attributes.
+    @property
+    def engine_kind(self) -> str:
+        return self.settings.engine_kind
+
+    @property
+    def vllm_config(self) -> VLLMConfig | None:
+        return self.settings.vllm_config
+
+    @property
+    def device(self) -> str | None:
+        return self.settings.device
+
+    @property
+    def dtype(self) -> str:
+        return self.settings.dtype
+
     @property
     def trainer_config(self) -> TrainerConfig:
         return self.settings.trainer
+
+    @property
+    def engine_replicas(self) -> int:
+        return self.settings.engine_replicas
+
+    @property
+    def engine_threads(self) -> int | None:
+        return self.settings.engine_threads
+
+    @property
+    def report_to(self) -> list[str]:
+        return self.settings.report_to
 
     # -- serving -----------------------------------------------------------------------------------
 
