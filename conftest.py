@@ -53,6 +53,7 @@ FILE_SECONDS = {
     "packages/core/tests/serving/test_fuzz.py": 50,
     "packages/core/tests/backends/test_live_training.py": 46,
     "tests/test_remote_integrations.py": 46,
+    "packages/core/tests/backends/test_drain.py": 32,  # a `journeyman serve` child, a model, a step
     "tests/test_light_client.py": 45,
     "packages/core/tests/rewards/test_ruler_local.py": 39,
     "tests/test_gpu_check.py": 33,

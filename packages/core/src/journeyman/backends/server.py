@@ -51,6 +51,7 @@ from journeyman.errors import (
     UnknownModelError,
 )
 from journeyman.serving.api_tokens import Scope, TokenBook
+from journeyman.serving.drain import Drain, DrainingServer
 from journeyman.serving.guard import (
     DEFAULT_MAX_BODY_BYTES,
     Guard,
@@ -149,6 +150,7 @@ def create_app(
     book = token_book(tokens)
     app = build_app(backend)  # the OpenAI routes: each request goes to the model it names
     jobs: dict[str, TrainJob] = {}
+    app.state.train_jobs = jobs  # what a drain waits for (`serve`)
 
     @app.exception_handler(BaseModelNotFoundError)
     async def no_base(_: Request, e: BaseModelNotFoundError) -> JSONResponse:
@@ -442,8 +444,9 @@ def serve(
     ssl_keyfile: str | Path | None = None,
     routes: Callable[[FastAPI], None] | None = None,
 ) -> None:
-    """Serve until interrupted (uvicorn, this thread); models registered before a restart are
-    registered again by their clients and resume from the run directory.
+    """Serve until SIGTERM or SIGINT (uvicorn, this thread); models registered before a restart are
+    registered again by their clients and resume from the run directory. SIGTERM drains first
+    (`serving/drain.py`): new requests get 503, those in flight and a training step under way finish.
 
     `token` is the admin token; more, with scopes, live in `<backend.path>/tokens.json`
     (`journeyman token add`). With `ssl_certfile` and `ssl_keyfile` the server speaks HTTPS itself."""
@@ -452,7 +455,8 @@ def serve(
     if (ssl_certfile is None) != (ssl_keyfile is None):
         raise InvalidFieldError("ssl_keyfile", ssl_keyfile, "TLS needs both a certificate and its key")
     book = TokenBook(RunRoot(backend.path).tokens, admin_secret=token)
-    app = Guard(create_app(backend, book, max_body_bytes=max_body_bytes, routes=routes), book, max_body_bytes)
+    routed = create_app(backend, book, max_body_bytes=max_body_bytes, routes=routes)
+    app = Drain(Guard(routed, book, max_body_bytes))
     config = uvicorn.Config(
         app,
         host=host,
@@ -463,7 +467,10 @@ def serve(
         ssl_certfile=None if ssl_certfile is None else str(ssl_certfile),
         ssl_keyfile=None if ssl_keyfile is None else str(ssl_keyfile),
     )
-    server = uvicorn.Server(config)
+    jobs: dict[str, TrainJob] = routed.state.train_jobs
+    server = DrainingServer(
+        config, app, lambda: [j.task for j in jobs.values() if j.task and not j.task.done()]
+    )
     scheme = "https" if ssl_certfile is not None else "http"
 
     async def main() -> None:
@@ -485,7 +492,8 @@ def serve(
 
 class ServerProcess:
     """`journeyman serve` as a child process on 127.0.0.1 (tests, benchmarks, a notebook's own GPU
-    box): `start()` returns once it answers, `kill()` SIGKILLs its process group."""
+    box): `start()` returns once it answers, `terminate()` stops it as a process manager does (SIGTERM:
+    it drains), `kill()` SIGKILLs its process group."""
 
     def __init__(
         self, path: str | Path, token: str, *, port: int | None = None, args: Sequence[str] = ()
@@ -523,6 +531,15 @@ class ServerProcess:
                 break
         self.kill()
         raise BackendUnavailableError("journeyman serve did not start:\n" + "".join(lines[-30:]))
+
+    def terminate(self, timeout_s: float = 600.0) -> int:
+        """SIGTERM, as a process manager stops it (the server drains first); its exit status."""
+        assert self.proc is not None, "start() it first"
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        finally:
+            self.kill()
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

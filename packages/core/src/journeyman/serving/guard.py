@@ -84,7 +84,7 @@ class Guard:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        error = _dialect(scope["path"])
+        error = error_dialect(scope["path"])
         headers: dict[bytes, bytes] = {}
         for k, v in scope.get("headers") or []:
             if k in headers and k in (
@@ -229,7 +229,7 @@ class HeaderTimeoutH11(H11Protocol):
             self.transport.close()
 
 
-def _dialect(path: str) -> Callable[..., JSONResponse]:
+def error_dialect(path: str) -> Callable[..., JSONResponse]:
     """How the route at `path` shapes an error: Anthropic's for `/v1/messages`, else OpenAI's."""
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         from journeyman.serving.messages_api import anthropic_error
@@ -249,6 +249,7 @@ __all__ = [
     "VIEW_PREFIX",
     "Guard",
     "HeaderTimeoutH11",
+    "error_dialect",
     "json_error",
     "needed_scope",
     "token_book",
