@@ -1,7 +1,8 @@
-"""The TypeScript client (packages/ts, npm `journeyman`) against a real `journeyman serve`: its npm
+"""The TypeScript client (packages/ts, npm `journeyman-rl`) against a real `journeyman serve`: its npm
 packages installed from the lockfile (`npm ci`), built with its own `tsc`, then its `node --test`
 suite, which drives the server with the `openai` package, the Vercel AI SDK's tool loop,
-LangChain.js and `@anthropic-ai/sdk`, and trains a step on what they captured."""
+LangChain.js and `@anthropic-ai/sdk`, and trains a step on what they captured. Then README's
+commands for the example (examples/ts), pasted into a fresh checkout of the two folders."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("npm") is None, reason="the TypeScript client needs Node >= 20 and npm"),
 ]
 
-PACKAGE = Path(__file__).parents[1] / "packages" / "ts"
+ROOT = Path(__file__).parents[1]
+PACKAGE = ROOT / "packages" / "ts"
 
 
 def _npm(*args: str, timeout_s: float, env: dict[str, str] | None = None) -> None:
@@ -47,15 +49,17 @@ def test_the_typescript_client_trains_from_node(built: Path, remote_server: Serv
     assert trained, "the step the Node suite trained left no trajectory file"
 
 
+def _readme_section() -> str:
+    return (ROOT / "README.md").read_text().split("### From TypeScript", 1)[1].split("\n### ", 1)[0]
+
+
 def _readme_snippet() -> str:
     """The ```ts block of README.md's "From TypeScript" section."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("### From TypeScript", 1)[1]
-    return section.split("```ts\n", 1)[1].split("\n```", 1)[0]
+    return _readme_section().split("```ts\n", 1)[1].split("\n```", 1)[0]
 
 
 def test_the_readme_snippet_runs(built: Path, remote_server: ServerProcess) -> None:
-    """README's snippet as a module of the package (Node resolves `journeyman` to the package
+    """README's snippet as a module of the package (Node resolves `journeyman-rl` to the package
     itself), against the same server."""
     snippet = PACKAGE / "test" / ".readme-snippet.mjs"  # gitignored
     snippet.write_text(_readme_snippet())
@@ -66,3 +70,48 @@ def test_the_readme_snippet_runs(built: Path, remote_server: ServerProcess) -> N
     assert done.returncode == 0, done.stderr[-4000:]
     # step 1, or 0 when the two answers of each group happened to tie (a step with no signal is skipped)
     assert re.search(r"trained step [01] on 2 groups", done.stdout), done.stdout
+
+
+def _readme_example_commands() -> dict[str, str]:
+    """The example's shell lines in README's "From TypeScript" section, by their first word."""
+    block = _readme_section().split("```bash\n", 1)[1].split("\n```", 1)[0]
+    lines = [line.split("  #", 1)[0].strip() for line in block.splitlines()]
+    return {"build": next(x for x in lines if x.startswith("cd examples/ts")), "start": lines[-1]}
+
+
+def test_the_example_builds_from_a_fresh_checkout_and_trains(
+    remote_server: ServerProcess, tmp_path: Path
+) -> None:
+    """README's build line, as pasted, in a copy of the tracked files of examples/ts and packages/ts
+    (no node_modules, no dist): `npm run build` builds the client first. Then its start line with
+    small sizes (one step of one group of 2, 2 held-out prompts) against a real server."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z", "examples/ts", "packages/ts"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.decode()
+    for name in filter(None, tracked.split("\0")):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tmp_path / name)
+    commands = _readme_example_commands()
+    built = subprocess.run(
+        ["bash", "-c", commands["build"]], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert built.returncode == 0, f"{commands['build']}:\n{built.stdout[-4000:]}\n{built.stderr[-3000:]}"
+    assert (tmp_path / "examples/ts/dist/train.js").is_file()
+
+    env_part, args = commands["start"].split("npm start --", 1)
+    assert env_part.startswith("JOURNEYMAN_URL=") and "<token>" in env_part, commands["start"]
+    # README's arguments first (parseArgs is strict: a renamed flag fails), then small sizes (the last wins)
+    small = f"{args.strip()} --steps 1 --group-size 2 --prompts-per-step 1 --eval-prompts 2"
+    env = {**os.environ, "JOURNEYMAN_URL": remote_server.url, "JOURNEYMAN_TOKEN": remote_server.token}
+    done = subprocess.run(
+        ["bash", "-c", f"npm start -- {small}"],
+        cwd=tmp_path / "examples/ts",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "held-out reward before:" in done.stdout and "held-out reward after:" in done.stdout, done.stdout
+    assert re.search(r"step [01]: train reward", done.stdout), done.stdout

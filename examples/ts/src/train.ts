@@ -22,7 +22,7 @@ import {
   type Trajectory,
   connect,
   gatherTrajectoryGroups,
-} from "journeyman";
+} from "journeyman-rl";
 import { parseArgs } from "node:util";
 import { z } from "zod";
 

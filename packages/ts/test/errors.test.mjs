@@ -6,8 +6,9 @@ import { test } from "node:test";
 import { AuthenticationError, BackendUnavailableError, InvalidFieldError, ProtocolMismatchError, RemoteBackend, connect } from "../dist/index.js";
 
 const URL = process.env.JOURNEYMAN_URL;
+const SERVER = URL ? {} : { skip: "needs a running `journeyman serve`: set JOURNEYMAN_URL and JOURNEYMAN_TOKEN" };
 
-test("a wrong token is an AuthenticationError", async () => {
+test("a wrong token is an AuthenticationError", SERVER, async () => {
   await assert.rejects(connect(URL, { token: "not-the-token" }), AuthenticationError);
 });
 
