@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -197,6 +199,37 @@ class Trajectory(History):
 
     def log(self, message: str) -> None:
         self.logs.append(message)
+
+    def finish(self) -> Trajectory:
+        """Record the seconds since `start_time` as `metrics["duration"]` (ART's `finish`); returns self."""
+        self.metrics["duration"] = (datetime.now(UTC) - self.start_time).total_seconds()
+        return self
+
+    @asynccontextmanager
+    async def track_duration(self, name: str) -> AsyncIterator[None]:
+        """Add the block's seconds to `metrics[f"{name}_duration"]` (ART's `track_duration`)."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            key = f"{name}_duration"
+            self.metrics[key] = float(self.metrics.get(key, 0.0)) + time.monotonic() - start
+
+    def for_logging(self) -> dict[str, Any]:
+        """A JSON-ready dict for a log or a tracker: reward, metrics, metadata, logs, tools, and the
+        messages as plain dicts, each marked `trainable` (sampled by the policy) or not (ART's shape)."""
+        messages = [
+            {**message_of_choice(x), "trainable": True} if isinstance(x, Choice) else {**x, "trainable": False}
+            for x in self.messages_and_choices
+        ]
+        return {
+            "reward": self.reward,
+            "metrics": dict(self.metrics),
+            "metadata": dict(self.metadata),
+            "messages": messages,
+            "tools": self.tools,
+            "logs": list(self.logs),
+        }
 
 
 RolloutEnd = Literal["trajectory", "errored", "dropped", "exception"]
