@@ -219,7 +219,9 @@ class Trajectory(History):
         """A JSON-ready dict for a log or a tracker: reward, metrics, metadata, logs, tools, and the
         messages as plain dicts, each marked `trainable` (sampled by the policy) or not (ART's shape)."""
         messages = [
-            {**message_of_choice(x), "trainable": True} if isinstance(x, Choice) else {**x, "trainable": False}
+            {**message_of_choice(x), "trainable": True}
+            if isinstance(x, Choice)
+            else {**x, "trainable": False}
             for x in self.messages_and_choices
         ]
         return {
