@@ -6,7 +6,13 @@ stand behind it, so nothing that serves a model answers without a token.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import secrets
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from http.cookies import CookieError, SimpleCookie
 from typing import Any
 from urllib.parse import parse_qs, parse_qsl, urlencode
@@ -17,7 +23,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from journeyman.client.operations import OPERATIONS
 from journeyman.client.wire import PREFIX
-from journeyman.serving.api_tokens import Scope, TokenBook, allows
+from journeyman.serving.api_tokens import ApiToken, Scope, TokenBook, allows
 
 ASGIApp = Callable[
     [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[..., Awaitable[None]]], Awaitable[None]
@@ -45,7 +51,11 @@ _TOP_LEVEL = {"info", "tokens"} | {op.route for op in OPERATIONS if not op.per_m
 
 
 VIEW_PREFIX = "/view"
-VIEW_COOKIE = "journeyman_token"
+VIEW_COOKIE = "journeyman_view"  # holds a viewer session's id, never an API token
+_OLD_VIEW_COOKIE = "journeyman_token"  # held the API token itself until issue 53: cleared on sight
+VIEW_SESSION_IDLE_S = 12 * 3600  # a viewer session ends 12 h after its last request (sliding) ...
+VIEW_SESSION_MAX_S = 24 * 3600  # ... and 24 h after it opened, however busy (the cookie's Max-Age)
+MAX_VIEW_SESSIONS = 1024  # in memory; past this the least recently used ends (each `?token=` opens one)
 
 
 def needed_scope(path: str) -> Scope:
@@ -59,13 +69,74 @@ def needed_scope(path: str) -> Scope:
     return ROUTE_SCOPES.get(op, "admin")
 
 
+@dataclass
+class _ViewSession:
+    token_sha256: str  # the API token it stands for, by digest: a revoked token ends it
+    opened: float  # time.monotonic()
+    seen: float
+
+
+class ViewSessions:
+    """The viewer's browser sessions, in memory: they end with the process.
+
+    A browser cannot send a bearer header when it follows a link, so the viewer's pages take the API
+    token once as `?token=` and answer with a session id in a cookie. Cookies are not port-scoped: a
+    page on any other port of the host receives it (`<img src="/view/x">`). So the id is random (256
+    bits), never the token; it opens the viewer's read-only pages only, for `VIEW_SESSION_IDLE_S` after
+    its last use and `VIEW_SESSION_MAX_S` at most, and ends when its token is revoked.
+    """
+
+    def __init__(
+        self,
+        idle_s: float = VIEW_SESSION_IDLE_S,
+        max_s: float = VIEW_SESSION_MAX_S,
+        max_sessions: int = MAX_VIEW_SESSIONS,
+    ) -> None:
+        self.idle_s, self.max_s, self.max_sessions = idle_s, max_s, max_sessions
+        self._lock = threading.Lock()
+        self._sessions: OrderedDict[str, _ViewSession] = OrderedDict()  # by the id's sha256, oldest use first
+
+    def open(self, token: ApiToken) -> str:
+        """A new session for `token`; returns its id (for the cookie)."""
+        session_id = secrets.token_urlsafe(32)
+        now = time.monotonic()
+        with self._lock:
+            self._sessions[_sha256(session_id)] = _ViewSession(token.sha256, now, now)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        return session_id
+
+    def token(self, session_id: str, tokens: TokenBook) -> ApiToken | None:
+        """The token a live session stands for (its idle time restarts), or None."""
+        key, now = _sha256(session_id), time.monotonic()
+        with self._lock:
+            session = self._sessions.get(key)
+            if session is None:
+                return None
+            token = next((t for t in tokens.tokens() if t.sha256 == session.token_sha256), None)
+            if token is None or now - session.seen > self.idle_s or now - session.opened > self.max_s:
+                del self._sessions[key]
+                return None
+            session.seen = now
+            self._sessions.move_to_end(key)
+            return token
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 class Guard:
     """ASGI middleware in front of everything the server answers.
 
     The bearer token (or, as Anthropic's SDKs send it, `x-api-key`) on every request (401), its scope against the route (403); a body read whole
     here, counted as it arrives whatever its framing (a declared Content-Length beside chunked
     transfer is refused outright: a request smuggling shape), capped (413) and with an idle timeout
-    between its chunks (408). The app gets the token's name in `request.state.token`.
+    between its chunks (408). The app gets the token's name in `request.state.token`. The viewer's
+    pages (`/view/`) also take a session of `view_sessions` from a same-origin request's cookie.
     """
 
     def __init__(
@@ -80,6 +151,7 @@ class Guard:
         self.tokens = token_book(tokens)
         self.max = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.view_sessions = ViewSessions()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -101,10 +173,20 @@ class Guard:
         secret = auth[7:] if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key")  # Anthropic's SDKs
         token = self.tokens.lookup(secret.decode("latin-1")) if secret is not None else None
         if token is None and _is_view(scope["path"]):
-            view_secret, from_query = _view_secret(scope, headers)
-            token = self.tokens.lookup(view_secret) if view_secret else None
-            if token is not None and from_query:  # once: into a cookie, out of the address bar
-                return await _to_cookie(scope, send, view_secret)
+            query_secret = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
+            if query_secret:  # once: a session opens, the token leaves the address bar
+                token = self.tokens.lookup(query_secret[-1])
+                if token is not None and allows(token.scope, needed_scope(scope["path"])):
+                    return await _open_view_session(scope, send, self.view_sessions.open(token))
+            elif _same_origin(headers):
+                session_id = _cookie(headers, VIEW_COOKIE)
+                token = self.view_sessions.token(session_id, self.tokens) if session_id else None
+            if token is None:
+                return await error(
+                    401,
+                    f"open {VIEW_PREFIX}/?token=<an API token of scope train> to start a viewer session",
+                    kind="unauthorized",
+                )(scope, receive, send)
         if token is None:
             return await error(401, "unauthorized", kind="unauthorized")(scope, receive, send)
         needed = needed_scope(scope["path"])
@@ -152,35 +234,43 @@ def _is_view(path: str) -> bool:
     return path == VIEW_PREFIX or path.startswith(VIEW_PREFIX + "/")
 
 
-def _view_secret(scope: dict[str, Any], headers: dict[bytes, bytes]) -> tuple[str, bool]:
-    """A browser cannot send a bearer header when it follows a link: the viewer's pages also take the
-    token as `?token=` (then moved into a cookie) or from that cookie. (secret, came from the query)."""
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-    if query.get("token"):
-        return query["token"][-1], True
+def _same_origin(headers: dict[bytes, bytes]) -> bool:
+    """Whether the browser says the request comes from the viewer's own pages or the address bar. A
+    page on another port of the host is same-site, not same-origin: its frames and fetches of the
+    viewer get no session (a client that sends no `Sec-Fetch-Site` is no browser page)."""
+    return headers.get(b"sec-fetch-site", b"same-origin") in (b"same-origin", b"none")
+
+
+def _cookie(headers: dict[bytes, bytes], name: str) -> str:
     cookies = SimpleCookie()
     try:
         cookies.load(headers.get(b"cookie", b"").decode("latin-1"))
     except CookieError:
-        return "", False
-    morsel = cookies.get(VIEW_COOKIE)
-    return (morsel.value if morsel is not None else ""), False
+        return ""
+    morsel = cookies.get(name)
+    return morsel.value if morsel is not None else ""
 
 
-async def _to_cookie(scope: dict[str, Any], send: Any, secret: str) -> None:
-    """303 to the same page without `?token=`, setting the token as an HttpOnly, same-site cookie
-    scoped to the viewer's paths."""
+async def _open_view_session(scope: dict[str, Any], send: Any, session_id: str) -> None:
+    """303 to the same page without `?token=`, the session's id in an HttpOnly, strictly same-site
+    cookie for the viewer's paths (and the old cookie that held a token, cleared)."""
     query = [(k, v) for k, v in parse_qsl(scope.get("query_string", b"").decode("latin-1")) if k != "token"]
     location = scope["path"] + ("?" + urlencode(query) if query else "")
     secure = "; Secure" if scope.get("scheme") == "https" else ""
-    cookie = f"{VIEW_COOKIE}={secret}; Path={VIEW_PREFIX}; HttpOnly; SameSite=Strict{secure}"
+    attrs = f"Path={VIEW_PREFIX}; HttpOnly; SameSite=Strict{secure}"
+    cookies = [
+        f"{VIEW_COOKIE}={session_id}; Max-Age={VIEW_SESSION_MAX_S}; {attrs}",
+        f"{_OLD_VIEW_COOKIE}=; Max-Age=0; {attrs}",
+    ]
     await send(
         {
             "type": "http.response.start",
             "status": 303,
             "headers": [
                 (b"location", location.encode("latin-1")),
-                (b"set-cookie", cookie.encode("latin-1")),
+                *((b"set-cookie", c.encode("latin-1")) for c in cookies),
+                (b"cache-control", b"no-store"),
+                (b"referrer-policy", b"no-referrer"),
                 (b"content-length", b"0"),
             ],
         }
@@ -244,11 +334,15 @@ def token_book(tokens: TokenBook | str) -> TokenBook:
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
+    "MAX_VIEW_SESSIONS",
     "ROUTE_SCOPES",
     "VIEW_COOKIE",
     "VIEW_PREFIX",
+    "VIEW_SESSION_IDLE_S",
+    "VIEW_SESSION_MAX_S",
     "Guard",
     "HeaderTimeoutH11",
+    "ViewSessions",
     "error_dialect",
     "json_error",
     "needed_scope",

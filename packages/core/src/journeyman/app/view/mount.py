@@ -1,6 +1,6 @@
 """The viewer inside `journeyman serve`: its pages and API at `/view/`, behind the server's API tokens
-(`serving.guard`: scope train; a browser brings the API token once as `/view/?token=...`, then as an
-HttpOnly cookie)."""
+(`serving.guard`: scope train; a browser brings the API token once as `/view/?token=...` and gets a
+viewer session of its own in an HttpOnly cookie, never the token)."""
 
 from __future__ import annotations
 
