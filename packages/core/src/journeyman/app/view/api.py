@@ -10,6 +10,10 @@ Routes (relative to where the viewer is mounted; every one is a GET and only rea
     api/runs/<run>/step/<split>/<file>?offset=&limit=   the groups of one file, a page at a time
     api/runs/<run>/trajectory/<split>/<file>/<group>/<index>   one trajectory, messages and tokens
     <anything else>                                 static/<path> (index.html for the root)
+
+A run's files are read as they are, whatever wrote them: every value is taken through the coercions
+below (`_str`, `_dict`, `_items`, `_exact_int`, `_float`), so a field of an unexpected JSON type shows as
+text or is left out, and never fails a page.
 """
 
 from __future__ import annotations
@@ -29,13 +33,22 @@ from journeyman.app.view.runs import Run, RunFiles, StepFile
 from journeyman.app.view.token_text import token_decoder
 from journeyman.backends.store import finite  # NaN as null: answers are strict JSON
 from journeyman.data.config import DEFAULT_BASE_MODEL
-from journeyman.errors import InvalidFieldError, JourneymanError
+from journeyman.errors import InvalidFieldError
 from journeyman.rollout.histories import extends
 
 __all__ = ["Response", "handle"]
 
 MAX_LIMIT = 200
 PREVIEW_CHARS = 160
+MAX_SAFE_INT = 2**53  # the largest integer a page's JavaScript holds exactly
+MAX_TOKEN_ID = 2**32  # the tokenizer's ids are u32: a larger one is no token
+# Every answer: scripts, styles and data from the viewer itself only, never framed by another page.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+}
 
 
 @dataclass
@@ -139,6 +152,14 @@ class TokenRow(BaseModel):
     logprobs: list[float | None]
 
 
+class ErrorView(BaseModel):
+    """The exception a rollout raised, as the trajectory recorded it."""
+
+    type: str
+    message: str
+    traceback: str
+
+
 class TrajectoryView(BaseModel):
     run: str
     split: str
@@ -152,7 +173,7 @@ class TrajectoryView(BaseModel):
     metrics: dict[str, Any]
     metadata: dict[str, Any]
     logs: list[str]
-    error: dict[str, Any] | None
+    error: ErrorView | None
     ruler_explanation: str | None
     tools: list[str]
     messages: list[MessageView]
@@ -161,9 +182,48 @@ class TrajectoryView(BaseModel):
     masked_tokens: int
 
 
-# -- reading ------------------------------------------------------------------------------------
+# -- reading: any JSON value to the type a page shows ---------------------------------------------
+def _float(x: Any) -> float | None:
+    """A finite number as a float (a bool, NaN, infinity or an integer past float's range: None)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    try:
+        f = float(x)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _num(x: Any) -> float:
-    return float(x) if isinstance(x, int | float) and math.isfinite(x) else 0.0
+    f = _float(x)
+    return 0.0 if f is None else f
+
+
+def _exact_int(x: Any) -> int | None:
+    """An integer a page holds exactly, else None."""
+    return x if isinstance(x, int) and not isinstance(x, bool) and abs(x) < MAX_SAFE_INT else None
+
+
+def _str(x: Any) -> str:
+    """Text as is; any other JSON value as its JSON text (None: empty)."""
+    return x if isinstance(x, str) else "" if x is None else _json(x)
+
+
+def _opt_str(x: Any) -> str | None:
+    return None if x is None else _str(x)
+
+
+def _dict(x: Any) -> dict[str, Any]:
+    return x if isinstance(x, dict) else {}
+
+
+def _items(x: Any) -> list[Any]:
+    return x if isinstance(x, list) else []
+
+
+def _fields(x: Any) -> dict[str, Any]:
+    """A free-form object the page lists (metrics, metadata): any other value kept under "value"."""
+    return x if isinstance(x, dict) else {} if x is None else {"value": x}
 
 
 def advantages(rewards: list[float], scale_by_std: bool = True) -> list[float]:
@@ -177,13 +237,9 @@ def advantages(rewards: list[float], scale_by_std: bool = True) -> list[float]:
 
 
 def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return str(content)
+    if isinstance(content, list):  # OpenAI's content parts: their text
+        return "".join(_str(p.get("text")) for p in content if isinstance(p, dict))
+    return _str(content)
 
 
 def _looks_like_error(text: str) -> bool:
@@ -194,55 +250,59 @@ def _looks_like_error(text: str) -> bool:
 def _message(item: dict[str, Any]) -> MessageView:
     """A stored message or choice as one message: a choice is its assistant message plus its record."""
     if "message" in item and "finish_reason" in item:
-        msg = item.get("message") or {}
-        rec = item.get("journeyman") or {}
-        logprobs = [x for x in rec.get("logprobs") or [] if isinstance(x, int | float)]
+        msg = _dict(item.get("message"))
+        rec = _dict(item.get("journeyman"))
+        logprobs = [f for f in map(_float, _items(rec.get("logprobs"))) if f is not None]
         return MessageView(
-            role=msg.get("role") or "assistant",
+            role=_str(msg.get("role") or "assistant"),
             content=_text(msg.get("content")),
             tool_calls=_tool_calls(msg.get("tool_calls")),
             sampled=bool(rec),
-            policy_step=rec.get("step"),
-            finish_reason=item.get("finish_reason"),
-            tokens=len(rec.get("token_ids") or []) if rec else None,
+            policy_step=_exact_int(rec.get("step")),
+            finish_reason=_opt_str(item.get("finish_reason")),
+            tokens=len(_items(rec.get("token_ids"))) if rec else None,
             mean_logprob=sum(logprobs) / len(logprobs) if logprobs else None,
         )
     content = _text(item.get("content"))
-    role = str(item.get("role", "?"))
+    role = _str(item.get("role", "?"))
     return MessageView(
         role=role,
         content=content,
         tool_calls=_tool_calls(item.get("tool_calls")),
-        tool_call_id=item.get("tool_call_id"),
+        tool_call_id=_opt_str(item.get("tool_call_id")),
         error=role == "tool" and _looks_like_error(content),
     )
 
 
 def _tool_calls(raw: Any) -> list[ToolCallView]:
     out = []
-    for c in raw or []:
+    for c in _items(raw):
         if not isinstance(c, dict):
             continue
-        fn = c.get("function") or {}
-        args = fn.get("arguments")
+        fn = _dict(c.get("function"))
         out.append(
             ToolCallView(
-                id=c.get("id"),
-                name=str(fn.get("name", "?")),
-                arguments=args if isinstance(args, str) else _json(args),
+                id=_opt_str(c.get("id")), name=_str(fn.get("name", "?")), arguments=_str(fn.get("arguments"))
             )
         )
     return out
 
 
 def _json(x: Any) -> str:
-    return json.dumps(x, ensure_ascii=False)
+    try:
+        return json.dumps(x, ensure_ascii=False)
+    except RecursionError:  # parsed near the interpreter's depth limit, too deep to write from here
+        return "[nested too deep to show]"
+
+
+def _token_ids(x: Any) -> list[int]:
+    return [i for i in _items(x) if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_TOKEN_ID]
 
 
 def _records(traj: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         item["journeyman"]
-        for item in traj.get("messages_and_choices") or []
+        for item in _items(traj.get("messages_and_choices"))
         if isinstance(item, dict) and isinstance(item.get("journeyman"), dict)
     ]
 
@@ -252,9 +312,9 @@ def _rows(records: list[dict[str, Any]]) -> list[tuple[list[int], list[bool], li
     the row so far continues it, its new prompt ids masked, its sampled ids trained."""
     rows: list[tuple[list[int], list[bool], list[float | None]]] = []
     for rec in records:
-        prompt = [int(i) for i in rec.get("prompt_token_ids") or []]
-        sampled = [int(i) for i in rec.get("token_ids") or []]
-        lps = list(rec.get("logprobs") or [])
+        prompt = _token_ids(rec.get("prompt_token_ids"))
+        sampled = _token_ids(rec.get("token_ids"))
+        lps = _items(rec.get("logprobs"))
         if rows and extends(rows[-1][0], prompt):
             ids, trained, logprobs = rows[-1]
             new = prompt[len(ids) :]
@@ -267,17 +327,17 @@ def _rows(records: list[dict[str, Any]]) -> list[tuple[list[int], list[bool], li
         logprobs += [None] * len(new)
         ids += sampled
         trained += [True] * len(sampled)
-        logprobs += [float(x) if isinstance(x, int | float) else None for x in lps[: len(sampled)]]
+        logprobs += [_float(x) for x in lps[: len(sampled)]]
         logprobs += [None] * (len(sampled) - len(lps))
     return rows
 
 
 def _summary(i: int, traj: dict[str, Any], advantage: float) -> TrajectorySummary:
-    messages = [_message(m) for m in traj.get("messages_and_choices") or [] if isinstance(m, dict)]
+    messages = _messages(traj)
     assistant = [m for m in messages if m.role == "assistant"]
     last = next((m for m in reversed(assistant) if m.content), None)
     preview = (last.content if last else "")[:PREVIEW_CHARS]
-    error = traj.get("error")
+    error = _error_view(traj.get("error"))
     return TrajectorySummary(
         index=i,
         reward=_num(traj.get("reward")),
@@ -285,23 +345,44 @@ def _summary(i: int, traj: dict[str, Any], advantage: float) -> TrajectorySummar
         turns=len(assistant),
         tool_calls=[c.name for m in assistant for c in m.tool_calls],
         tool_errors=sum(m.error for m in messages),
-        error=error.get("type") if isinstance(error, dict) else None,
+        error=error.type if error else None,
         preview=preview,
-        metrics=traj.get("metrics") or {},
+        metrics=_fields(traj.get("metrics")),
     )
 
 
+def _messages(traj: dict[str, Any]) -> list[MessageView]:
+    return [_message(m) for m in _items(traj.get("messages_and_choices")) if isinstance(m, dict)]
+
+
+def _error_view(raw: Any) -> ErrorView | None:
+    """The recorded exception: a `{type, message, traceback}` object, or any other value as its text."""
+    if raw is None:
+        return None
+    err = raw if isinstance(raw, dict) else {"message": raw}
+    return ErrorView(
+        type=_str(err.get("type") or "error"),
+        message=_str(err.get("message")),
+        traceback=_str(err.get("traceback")),
+    )
+
+
+def _trajectories(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """A line's trajectories: a group's, or the line itself in a file of loose trajectories."""
+    if "trajectories" not in raw and "messages_and_choices" in raw:
+        return [raw]
+    return [t for t in _items(raw.get("trajectories")) if isinstance(t, dict)]
+
+
 def _group(index: int, raw: dict[str, Any]) -> GroupView:
-    trajs = [t for t in raw.get("trajectories") or [] if isinstance(t, dict)]
-    if "trajectories" not in raw and "messages_and_choices" in raw:  # a file of loose trajectories
-        trajs = [raw]
+    trajs = _trajectories(raw)
     rewards = [_num(t.get("reward")) for t in trajs]
     advs = advantages(rewards)
     mean = sum(rewards) / len(rewards) if rewards else 0.0
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)) if rewards else 0.0
     first_user = ""
     if trajs:
-        for m in trajs[0].get("messages_and_choices") or []:
+        for m in _items(trajs[0].get("messages_and_choices")):
             if isinstance(m, dict) and m.get("role") == "user":
                 first_user = _text(m.get("content"))[:PREVIEW_CHARS]
                 break
@@ -312,12 +393,12 @@ def _group(index: int, raw: dict[str, Any]) -> GroupView:
         reward_std=std,
         trajectories=[_summary(i, t, a) for i, (t, a) in enumerate(zip(trajs, advs, strict=True))],
         exceptions=[
-            {"type": str(e.get("type", "")), "message": str(e.get("message", ""))[:500]}
-            for e in raw.get("exceptions") or []
+            {"type": _str(e.get("type")), "message": _str(e.get("message"))[:500]}
+            for e in _items(raw.get("exceptions"))
             if isinstance(e, dict)
         ],
-        dropped=len(raw.get("dropped") or []),
-        metadata=raw.get("metadata") or {},
+        dropped=len(_items(raw.get("dropped"))),
+        metadata=_fields(raw.get("metadata")),
     )
 
 
@@ -333,8 +414,8 @@ def _latest(run: Run) -> dict[str, float]:
     out: dict[str, float] = {}
     for r in run.history():
         for k, v in r.items():
-            if k.endswith("/reward") and isinstance(v, int | float):
-                out[k] = float(v)
+            if k.endswith("/reward") and (f := _float(v)) is not None:
+                out[k] = f
     return out
 
 
@@ -345,8 +426,8 @@ def run_summary(run: Run) -> RunSummary:
         project=run.project,
         name=run.name,
         path=str(run.root),
-        base_model=state.get("base_model"),
-        step=state.get("step"),
+        base_model=_opt_str(state.get("base_model")),
+        step=_exact_int(state.get("step")),
         splits=run.splits(),
         history_rows=len(run.history()),
         latest=_latest(run),
@@ -393,19 +474,19 @@ def trajectory_view(run: Run, f: StepFile, group: int, index: int) -> Trajectory
     if not 0 <= group < run.count_lines(f):
         raise InvalidFieldError("group", group, f"{f.name}.jsonl has {run.count_lines(f)} groups")
     raw = run.read_lines(f, group, group + 1)[0]
-    trajs = [t for t in raw.get("trajectories") or [] if isinstance(t, dict)] or [raw]
+    trajs = _trajectories(raw) or [raw]
     if not 0 <= index < len(trajs):
         raise InvalidFieldError("index", index, f"group {group} has {len(trajs)} trajectories")
     traj = trajs[index]
     advs = advantages([_num(t.get("reward")) for t in trajs])
-    decode = token_decoder(str(run.state().get("base_model") or DEFAULT_BASE_MODEL))
+    decode = token_decoder(_str(run.state().get("base_model") or DEFAULT_BASE_MODEL))
     rows = []
     for ids, trained, logprobs in _rows(_records(traj)):
         rows.append(
             TokenRow(ids=ids, text=decode(ids) if decode else None, trained=trained, logprobs=logprobs)
         )
-    metadata = traj.get("metadata") or {}
-    error = traj.get("error")
+    metadata = _fields(traj.get("metadata"))
+    logs = traj.get("logs")
     return TrajectoryView(
         run=run.id,
         split=f.split,
@@ -416,17 +497,17 @@ def trajectory_view(run: Run, f: StepFile, group: int, index: int) -> Trajectory
         group_size=len(trajs),
         reward=_num(traj.get("reward")),
         advantage=advs[index],
-        metrics=traj.get("metrics") or {},
+        metrics=_fields(traj.get("metrics")),
         metadata=metadata,
-        logs=[str(x) for x in traj.get("logs") or []],
-        error=error if isinstance(error, dict) else None,
-        ruler_explanation=metadata.get("ruler_explanation"),
+        logs=[_str(x) for x in logs] if isinstance(logs, list) else [_str(logs)] if logs is not None else [],
+        error=_error_view(traj.get("error")),
+        ruler_explanation=_opt_str(metadata.get("ruler_explanation")),
         tools=[
-            str((t.get("function") or {}).get("name", "?"))
-            for t in traj.get("tools") or []
+            _str(_dict(t.get("function")).get("name", "?"))
+            for t in _items(traj.get("tools"))
             if isinstance(t, dict)
         ],
-        messages=[_message(m) for m in traj.get("messages_and_choices") or [] if isinstance(m, dict)],
+        messages=_messages(traj),
         rows=rows,
         trained_tokens=sum(sum(r.trained) for r in rows),
         masked_tokens=sum(len(r.trained) - sum(r.trained) for r in rows),
@@ -505,12 +586,17 @@ def _api(runs: RunFiles, parts: list[str], query: dict[str, list[str]]) -> Respo
 
 def handle(runs: RunFiles, path: str, query_string: str = "") -> Response:
     """The answer to `GET <mount>/<path>?<query_string>` (path without its leading slash)."""
-    parts = [p for p in path.split("/") if p]
+    res = _answer(runs, [p for p in path.split("/") if p], query_string)
+    res.headers = {**SECURITY_HEADERS, **res.headers}
+    return res
+
+
+def _answer(runs: RunFiles, parts: list[str], query_string: str) -> Response:
     try:
         if parts[:1] == ["api"]:
             return _api(runs, parts[1:], parse_qs(query_string))
         return _static("/".join(parts))
     except InvalidFieldError as e:
         return _error(404 if e.field in ("run", "step", "split") else 400, str(e), e.field)
-    except (JourneymanError, OSError) as e:
+    except Exception as e:  # a case the coercions missed: the page says what, the connection stays up
         return _error(500, f"{type(e).__name__}: {e}")

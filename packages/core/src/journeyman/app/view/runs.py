@@ -90,7 +90,7 @@ class Run:
     def state(self) -> dict[str, Any]:
         try:
             raw = json.loads(self.layout.state.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return {}
         return raw if isinstance(raw, dict) else {}
 
@@ -127,7 +127,7 @@ class Run:
             for line in f:
                 try:
                     row = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
                 if isinstance(row, dict):
                     rows.append(row)
@@ -199,7 +199,7 @@ class Run:
         for i, raw in enumerate(chunk.splitlines()):
             try:
                 item = json.loads(raw)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # nested past the parser's depth: not readable JSON
                 raise InvalidFieldError(
                     f"{f.path.name}:{start + i + 1}", raw[:80], f"is not JSON: {e}"
                 ) from None

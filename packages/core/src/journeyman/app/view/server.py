@@ -29,7 +29,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         host = (self.headers.get("Host") or "").rsplit(":", 1)[0]
         if host not in _LOOPBACK_NAMES:
-            self._send(403, "text/plain", b"the viewer answers requests to 127.0.0.1 or localhost only\n", {})
+            body = b"the viewer answers requests to 127.0.0.1 or localhost only\n"
+            self._send(403, "text/plain", body, {"X-Content-Type-Options": "nosniff"})
             return
         url = urlsplit(self.path)
         assert isinstance(self.server, _Server)
@@ -40,7 +41,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
-        self.send_header("X-Content-Type-Options", "nosniff")
         for k, v in headers.items():
             self.send_header(k, v)
         self.end_headers()

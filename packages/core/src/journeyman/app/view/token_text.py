@@ -17,10 +17,15 @@ Decode = Callable[[list[int]], list[str]]
 
 
 def _tokenizer_file(base_model: str) -> Path | None:
-    candidates = [Path(base_model).expanduser() / "tokenizer.json"]
-    if base_model == DEFAULT_BASE_MODEL:
-        candidates.insert(0, cache_dir() / "models" / base_model / "tokenizer.json")
-    return next((p for p in candidates if p.is_file()), None)
+    """`base_model` comes from a run's state.json: any text. One that names no readable directory
+    (a NUL byte, an unknown `~user`, a name too long for the file system) has no tokenizer here."""
+    try:
+        candidates = [Path(base_model).expanduser() / "tokenizer.json"]
+        if base_model == DEFAULT_BASE_MODEL:
+            candidates.insert(0, cache_dir() / "models" / base_model / "tokenizer.json")
+        return next((p for p in candidates if p.is_file()), None)
+    except (OSError, ValueError, RuntimeError):
+        return None
 
 
 @functools.lru_cache(maxsize=8)
@@ -33,7 +38,10 @@ def token_decoder(base_model: str) -> Decode | None:
         from tokenizers import Tokenizer
     except ImportError:  # the light client: ids only
         return None
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception:  # a file that is not a tokenizer (the library raises a bare Exception): ids only
+        return None
 
     def decode(ids: list[int]) -> list[str]:
         return tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
