@@ -19,7 +19,7 @@ function h(tag, attrs, ...kids) {
     else if (k === "class") el.className = v;
     else el.setAttribute(k, v === true ? "" : v);
   }
-  for (const kid of kids.flat()) {
+  for (const kid of kids.flat(Infinity)) { // lists of lists of nodes (a badge and its space) too
     if (kid === null || kid === undefined || kid === false) continue;
     el.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
   }
@@ -30,7 +30,8 @@ function svg(tag, attrs) {
   for (const [k, v] of Object.entries(attrs || {})) el.setAttribute(k, v);
   return el;
 }
-const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : typeof x === "number" ? (Number.isInteger(x) && Math.abs(x) < 1e6 ? String(x) : x.toPrecision(d)) : String(x));
+// any JSON value as short text: numbers rounded, objects and arrays as JSON
+const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : typeof x === "number" ? (Number.isInteger(x) && Math.abs(x) < 1e6 ? String(x) : x.toPrecision(d)) : typeof x === "object" ? JSON.stringify(x) : String(x));
 const signed = (x) => h("span", { class: x > 1e-9 ? "pos" : x < -1e-9 ? "neg" : "" }, (x > 0 ? "+" : "") + fmt(x));
 const enc = encodeURIComponent;
 
@@ -146,7 +147,7 @@ async function pageRun(route) {
   const offset = +(route.q.get("offset") || 0);
   const steps = await api(`runs/${enc(run.id)}/steps?split=${enc(split)}&offset=${offset}&limit=${STEPS_PER_PAGE}`);
 
-  const keys = [...new Set(history.flatMap((r) => Object.keys(r).filter((k) => k.includes("/") && typeof r[k] === "number")))].sort();
+  const keys = [...new Set(history.flatMap((r) => Object.keys(r).filter((k) => k.includes("/") && Number.isFinite(r[k]))))].sort();
   const charts = h("div", { class: "charts" });
   for (const [title, test] of CHARTS) {
     const ks = keys.filter(test);
@@ -186,7 +187,7 @@ function series(history, keys) {
   return keys.map((k, i) => ({
     name: k,
     color: COLORS[i % COLORS.length],
-    points: history.filter((r) => typeof r[k] === "number" && typeof r.step === "number").map((r) => [r.step, r[k]]),
+    points: history.filter((r) => Number.isFinite(r[k]) && Number.isFinite(r.step)).map((r) => [r.step, r[k]]),
   }));
 }
 
