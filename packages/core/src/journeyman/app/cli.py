@@ -364,7 +364,8 @@ def serve(
     and the run viewer at /view/ (open /view/?token=T once in a browser; an API token of scope train).
 
     Every request needs `Authorization: Bearer <token>`: $JOURNEYMAN_TOKEN (or a new one printed at
-    start) is an admin API token; `journeyman token add` makes named ones with narrower scopes."""
+    start) is an admin API token; `journeyman token add` makes named ones with narrower scopes.
+    SIGTERM drains: new requests get 503, those in flight (30 s) and a training step (300 s) finish."""
     import os
     import secrets
 
