@@ -11,8 +11,9 @@ import httpx
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 import journeyman as jm
-from journeyman.art._types import TrainConfig, journeyman_config
-from journeyman.art.dev import lora_fields, warn_unsupported
+from journeyman.art._types import TrainConfig, TrainSFTConfig, journeyman_config
+from journeyman.art._unsupported import refuse
+from journeyman.art.dev import lora_config_fields, lora_fields, warn_unsupported
 from journeyman.client.protocol import CLIENT_TIMEOUT_S
 from journeyman.errors import InvalidFieldError, JourneymanError
 
@@ -109,23 +110,44 @@ class Model(BaseModel, metaclass=_ModelMeta):
 
 class TrainableModel(jm.TrainableModel):
     """ART's `art.TrainableModel`: Journeyman's, plus ART's `config` (your own settings object),
-    `inference_model_name`, `_internal_config` (translated: LoRA rank/alpha/dropout/targets,
-    learning rate, grad norm... ; warned about where Journeyman has no such knob), ART's `train`
-    and `log` call shapes."""
+    `run_name`, `inference_model_name`, `lora_config`, `_internal_config` (translated: LoRA
+    rank/alpha/dropout/targets, learning rate, grad norm... ; warned about where Journeyman has no
+    such knob), ART's `train`, `train_sft` and `log` call shapes.
+
+    `run_name`: ART 0.5.23 keeps a run's checkpoints under `run_name` and serves it as `name`. A
+    Journeyman run is kept and served under one name, so `run_name` is the model's `name` (the
+    default); a different one raises ArtFeatureNotSupported rather than resuming the wrong run."""
 
     config: Any = None
+    run_name: str | None = None
     inference_model_name: str | None = None
     _train_defaults: dict[str, Any] = PrivateAttr(default_factory=dict)
     _last_result: jm.TrainResult | None = PrivateAttr(None)
 
-    def __init__(self, *, _internal_config: Mapping[str, Any] | None = None, **data: Any) -> None:
+    def __init__(
+        self,
+        *,
+        lora_config: Mapping[str, Any] | None = None,
+        _internal_config: Mapping[str, Any] | None = None,
+        **data: Any,
+    ) -> None:
+        run_name = data.get("run_name")
+        if run_name is not None and run_name != data.get("name"):
+            refuse("art.TrainableModel(run_name=)")
         lora, train = lora_fields(_internal_config or {})
+        lora |= lora_config_fields(lora_config or {})
         if lora:
             given = data.get("lora")
             base = given.model_dump() if isinstance(given, jm.LoraConfig) else dict(given or {})
             data["lora"] = jm.LoraConfig(**{**base, **lora})
         super().__init__(**data)
+        if self.run_name is None:
+            self.run_name = self.name
         self._train_defaults = train
+
+    @property
+    def trainable(self) -> bool:
+        return True
 
     def get_inference_name(self, step: int | None = None) -> str:
         """The name to send to this model's endpoint. Without `step`, the bare name, which the
@@ -165,6 +187,25 @@ class TrainableModel(jm.TrainableModel):
         result = await self.backend.train(self, groups, cfg, idempotency_key=idempotency_key)
         self._last_result = result
         return result
+
+    async def train_sft(  # pyright: ignore[reportIncompatibleMethodOverride]
+        self,
+        trajectories: Iterable[Any],
+        config: TrainSFTConfig | jm.SFTConfig | None = None,
+        _config: Mapping[str, Any] | None = None,
+        verbose: bool = False,
+        log_metrics: bool = True,
+        *,
+        idempotency_key: str | None = None,
+    ) -> jm.TrainResult:
+        """ART's `model.train_sft(trajectories, config=art.TrainSFTConfig(...))`: one SFT step of this
+        run. `verbose` and `log_metrics` change nothing (progress is shown and the step's metrics
+        recorded either way); ART's experimental `_config` raises ArtFeatureNotSupported."""
+        del verbose, log_metrics
+        if _config:
+            refuse("art.dev.TrainSFTConfig")
+        cfg = config.journeyman() if isinstance(config, TrainSFTConfig) else config
+        return await super().train_sft(list(trajectories), cfg, idempotency_key=idempotency_key)
 
     async def log(  # pyright: ignore[reportIncompatibleMethodOverride]
         self,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 import journeyman as jm
+from journeyman.art._unsupported import refuse
 from journeyman.art.dev import train_fields
 
 ART_LEARNING_RATE = 5e-6
@@ -22,6 +23,28 @@ class TrainConfig(BaseModel):
 
     learning_rate: float = Field(default=ART_LEARNING_RATE, gt=0)
     beta: float = Field(default=0.0, ge=0, description="KL coefficient (Journeyman's kl_coef)")
+
+
+class TrainSFTConfig(BaseModel):
+    """ART's `art.TrainSFTConfig` for `model.train_sft`: a learning rate, a batch size, which assistant
+    turns train. A list of per-batch rates and `assistant_turns="last"` raise ArtFeatureNotSupported."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float | list[float] = 5e-5
+    batch_size: int | Literal["auto"] = "auto"
+    assistant_turns: Literal["all", "last"] = "all"
+
+    def journeyman(self) -> jm.SFTConfig:
+        """The Journeyman SFTConfig this config asks for ("auto" batch size: Journeyman's default)."""
+        if isinstance(self.learning_rate, list):
+            refuse("art.TrainSFTConfig(learning_rate=)")
+        if self.assistant_turns != "all":
+            refuse("art.TrainSFTConfig(assistant_turns=)")
+        fields: dict[str, Any] = {"learning_rate": self.learning_rate}
+        if self.batch_size != "auto":
+            fields["batch_size"] = self.batch_size
+        return jm.SFTConfig(**fields)
 
 
 @dataclass
@@ -58,4 +81,11 @@ def journeyman_config(
     return jm.TrainConfig(**fields)
 
 
-__all__ = ["ART_LEARNING_RATE", "LocalTrainResult", "TrainConfig", "TrainResult", "journeyman_config"]
+__all__ = [
+    "ART_LEARNING_RATE",
+    "LocalTrainResult",
+    "TrainConfig",
+    "TrainResult",
+    "TrainSFTConfig",
+    "journeyman_config",
+]

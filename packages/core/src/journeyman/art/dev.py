@@ -10,18 +10,24 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
+from journeyman.art._unsupported import module_getattr
+
 __all__ = [
     "EngineArgs",
     "InitArgs",
     "InternalModelConfig",
+    "LoRAConfig",
     "OpenAIServerConfig",
     "PeftArgs",
     "TrainConfig",
     "TrainerArgs",
+    "lora_config_fields",
     "lora_fields",
     "train_fields",
     "warn_unsupported",
 ]
+
+__getattr__ = module_getattr("art.dev", __name__)  # ART's engine settings we lack: named errors
 
 
 class InitArgs(TypedDict, total=False):
@@ -62,6 +68,21 @@ class TrainerArgs(TypedDict, total=False):
     gradient_checkpointing: bool
     gradient_accumulation_steps: int
     per_device_train_batch_size: int
+
+
+class LoRAConfig(TypedDict, total=False):
+    """ART's `lora_config=` of a TrainableModel (`art.LoRAConfig`): rank, alpha, dropout and target
+    modules become Journeyman's LoraConfig; the rest (Unsloth's options) is warned about."""
+
+    rank: int
+    alpha: int
+    dropout: float
+    target_modules: list[str]
+    random_state: int
+    bias: str
+    use_gradient_checkpointing: str
+    use_rslora: bool
+    max_seq_length: int
 
 
 class InternalModelConfig(TypedDict, total=False):
@@ -114,6 +135,7 @@ _TRAIN = {
     "truncated_importance_sampling": "tis_cap",
     "max_seq_length": "max_seq_len",
     "gradient_checkpointing": "gradient_checkpointing",
+    "loss_fn": "loss",  # ART 0.5.23: "cispo" | "ppo", both Journeyman losses
 }
 # ART's training settings with no counterpart here (warned about, once each).
 ART_ONLY_TRAIN = frozenset(
@@ -134,11 +156,24 @@ ART_ONLY_TRAIN = frozenset(
         "verbose",
         "gradient_accumulation_steps",
         "per_device_train_batch_size",
+        # ART 0.5.23's LocalBackend.train
+        "adam_params",
+        "final_training_step",
+        "grad_accumulation_sequences",
+        "kimi_k2_tau",
+        "kl_penalty_reference_step",
+        "kl_penalty_source",
+        "kl_ref_adapter_path",
+        "loss_fn_config",
+        "normalize_advantages",
+        "optimizer_save_interval",
     }
 )
 ART_TRAIN_NAMES = frozenset(_TRAIN) | ART_ONLY_TRAIN | {"adam_beta1", "adam_beta2"}
 _PEFT = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
 _PEFT |= {"random_state": "seed"}
+_LORA_CONFIG = {"rank": "r", "alpha": "alpha", "dropout": "dropout", "target_modules": "target_modules"}
+_LORA_CONFIG |= {"random_state": "seed"}
 
 _warned: set[str] = set()
 
@@ -198,3 +233,17 @@ def lora_fields(internal: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, 
                     "is a GPU/engine setting of ART's with no counterpart in Journeyman; not applied",
                 )
     return lora, train
+
+
+def lora_config_fields(lora_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Journeyman LoraConfig fields for ART's `lora_config=`; its Unsloth-only options are warned about."""
+    out: dict[str, Any] = {}
+    for name, value in lora_config.items():
+        if name in _LORA_CONFIG:
+            out[_LORA_CONFIG[name]] = value
+        else:
+            warn_unsupported(
+                f"lora_config[{name!r}]={value!r}",
+                "has no counterpart in Journeyman's LoraConfig; not applied",
+            )
+    return out

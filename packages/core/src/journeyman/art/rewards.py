@@ -7,7 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import journeyman as jm
+from journeyman.art._unsupported import module_getattr
 from journeyman.rewards.ruler import DEFAULT_RUBRIC
+
+__getattr__ = module_getattr("art.rewards", __name__)  # ART's bare `ruler`: a named error
 
 ART_JUDGE = "openai/o3"
 """ART's default judge model."""

@@ -1,4 +1,4 @@
-"""ART's gathering helpers over Journeyman's `gather_trajectory_groups`."""
+"""`art.gather`: ART's gathering helpers over Journeyman's `gather_trajectory_groups`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import journeyman as jm
+from journeyman.art._unsupported import module_getattr
 from journeyman.errors import InvalidFieldError
 
 ArtAfterEach = Callable[[jm.TrajectoryGroup], Any]
@@ -95,5 +96,7 @@ async def trajectory_group_batches(
         for task in running:
             task.cancel()
 
+
+__getattr__ = module_getattr("art.gather", __name__)  # ART's gather internals: named errors
 
 __all__ = ["gather_trajectories", "gather_trajectory_groups", "trajectory_group_batches"]
