@@ -226,13 +226,19 @@ def _fields(x: Any) -> dict[str, Any]:
     return x if isinstance(x, dict) else {} if x is None else {"value": x}
 
 
+def _mean_std(rewards: list[float]) -> tuple[float, float]:
+    """Mean and population std. Rewards near float's limit give inf or NaN (null in the answer), not
+    an error: `d * d` overflows to inf where `d ** 2` raises."""
+    if not rewards:
+        return 0.0, 0.0
+    mean = sum(rewards) / len(rewards)
+    return mean, math.sqrt(sum((r - mean) * (r - mean) for r in rewards) / len(rewards))
+
+
 def advantages(rewards: list[float], scale_by_std: bool = True) -> list[float]:
     """GRPO's group advantages as the trainer computes them (`training.loss.group_advantages`,
     `TrainConfig.scale_rewards` on by default): (r - mean) / (std + 1e-6), population std."""
-    if not rewards:
-        return []
-    mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    mean, std = _mean_std(rewards)
     return [(r - mean) / (std + 1e-6) if scale_by_std else r - mean for r in rewards]
 
 
@@ -378,8 +384,7 @@ def _group(index: int, raw: dict[str, Any]) -> GroupView:
     trajs = _trajectories(raw)
     rewards = [_num(t.get("reward")) for t in trajs]
     advs = advantages(rewards)
-    mean = sum(rewards) / len(rewards) if rewards else 0.0
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)) if rewards else 0.0
+    mean, std = _mean_std(rewards)
     first_user = ""
     if trajs:
         for m in _items(trajs[0].get("messages_and_choices")):
