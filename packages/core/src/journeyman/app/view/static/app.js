@@ -147,7 +147,7 @@ async function pageRun(route) {
   const offset = +(route.q.get("offset") || 0);
   const steps = await api(`runs/${enc(run.id)}/steps?split=${enc(split)}&offset=${offset}&limit=${STEPS_PER_PAGE}`);
 
-  const keys = [...new Set(history.flatMap((r) => Object.keys(r).filter((k) => k.includes("/") && Number.isFinite(r[k]))))].sort();
+  const keys = [...new Set(history.flatMap((r) => Object.keys(r).filter((k) => k.includes("/") && plottable(r[k]))))].sort();
   const charts = h("div", { class: "charts" });
   for (const [title, test] of CHARTS) {
     const ks = keys.filter(test);
@@ -183,11 +183,14 @@ async function pageRun(route) {
     pager);
 }
 
+// a number a chart can place: past 1e300 its own padding and scaling overflow to Infinity
+const plottable = (v) => Number.isFinite(v) && Math.abs(v) < 1e300;
+
 function series(history, keys) {
   return keys.map((k, i) => ({
     name: k,
     color: COLORS[i % COLORS.length],
-    points: history.filter((r) => Number.isFinite(r[k]) && Number.isFinite(r.step)).map((r) => [r.step, r[k]]),
+    points: history.filter((r) => plottable(r[k]) && plottable(r.step)).map((r) => [r.step, r[k]]),
   }));
 }
 
