@@ -286,6 +286,7 @@ ODD_VALUES: list[Any] = [
     True,
     10**400,
     HUGE_FLOAT,
+    1.7e308,  # finite, but its square is not
     float("nan"),
     -1.5,
     "",
