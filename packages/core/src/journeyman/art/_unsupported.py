@@ -1,8 +1,9 @@
 """What of ART's public surface Journeyman does not have, each with what to use instead.
 
 ART code that reaches one of these gets `ArtFeatureNotSupported` naming the ART feature and its
-replacement, at the first touch: the import of the module, the attribute, the keyword argument, the
-method call. Everything else ART's latest release (`openpipe-art` 0.5.23) documents works; the test
+replacement, at the first touch: the import of the module, the attribute, the keyword argument.
+(Not an AttributeError or ImportError on purpose: `from art import X` would turn either into a bare
+"cannot import name".) Everything else ART's latest release (`openpipe-art` 0.5.23) documents works; the test
 that reads the release's wheel (tests/test_art_compat.py) keeps the two lists honest.
 """
 
@@ -11,15 +12,15 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from journeyman.errors import JourneymanError
 
 _CAPTURE = (
     "ART's automatic capture of a rollout's calls into a Trajectory; use `async with model.capture() as "
-    "cap:` (every completion served to the block, token-exact, in `cap.calls`) and "
-    "art.Trajectory(messages_and_choices=[...]) instead"
+    "cap:` (every completion served in the block, token-exact) and "
+    "journeyman.rollout.histories.fill_histories(trajectory, join_calls(cap.calls)) instead"
 )
 _TOKENS = (
     "ART's client-side tokenization; Journeyman trains on the ids the endpoint sampled: use "
@@ -156,17 +157,6 @@ def refuse(feature: str) -> NoReturn:
     raise ArtFeatureNotSupported(feature)
 
 
-def refused_method(feature: str) -> Callable[..., NoReturn]:
-    """A method ART has and Journeyman refuses: calling it raises ArtFeatureNotSupported."""
-
-    def method(*args: Any, **kwargs: Any) -> NoReturn:
-        refuse(feature)
-
-    method.__doc__ = f"Not supported: {NOT_SUPPORTED[feature]}"
-    method.art_not_supported = feature  # pyright: ignore[reportFunctionMemberAccess]
-    return method
-
-
 def module_getattr(art_module: str, real_module: str) -> Callable[[str], Any]:
     """A module `__getattr__` for the `journeyman.art` module standing in for `art_module`: ART's
     names this module lacks raise ArtFeatureNotSupported; any other name is an AttributeError."""
@@ -208,20 +198,10 @@ def install_refused_modules() -> None:
         sys.meta_path.append(_RefusedModules())
 
 
-def refuse_keywords(callable_name: str, given: Mapping[str, Any], refused: Mapping[str, Any]) -> None:
-    """Raise for the first keyword in `given` whose value ART accepts and Journeyman refuses:
-    `refused` maps a keyword to a predicate on its value (True: refused)."""
-    for key, is_refused in refused.items():
-        if key in given and is_refused(given[key]):
-            refuse(f"{callable_name}({key}=)")
-
-
 __all__ = [
     "NOT_SUPPORTED",
     "ArtFeatureNotSupported",
     "install_refused_modules",
     "module_getattr",
     "refuse",
-    "refuse_keywords",
-    "refused_method",
 ]
