@@ -759,25 +759,25 @@ def ours(name: str, callable: bool = False) -> Any:
     raise ModuleNotFoundError(name)
 
 
-def keywords_of(obj: Any) -> tuple[set[str], bool]:
-    """The keyword arguments `obj` names, and whether it takes others (`**kwargs`)."""
+def keywords_of(obj: Any) -> set[str]:
+    """The keyword arguments `obj` takes by name: parameters, a model's fields, a TypedDict's keys, and
+    what a callable declares it takes through `**kwargs` (`art_keywords`, e.g. ART's train settings)."""
     import inspect
 
     if isinstance(obj, type) and issubclass(obj, BaseModel):
-        names = {n for n, f in obj.model_fields.items()} | {
-            f.alias for f in obj.model_fields.values() if f.alias
-        }
+        fields = set(obj.model_fields) | {f.alias for f in obj.model_fields.values() if f.alias}
         params = inspect.signature(obj.__init__).parameters.values()
-        return names | {p.name for p in params if p.kind is p.KEYWORD_ONLY}, False
+        return fields | {p.name for p in params if p.kind is p.KEYWORD_ONLY}
     if isinstance(obj, type) and hasattr(obj, "__required_keys__"):  # a TypedDict
-        return set(obj.__annotations__), False
+        return set(obj.__annotations__)
     params = inspect.signature(obj).parameters.values()
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return named | set(getattr(obj, "art_keywords", ())), any(p.kind is p.VAR_KEYWORD for p in params)
+    return named | set(getattr(obj, "art_keywords", ()))
 
 
 def on_journeyman(use: tuple[str, str, str]) -> str:
-    """ "works", "refused" (ArtFeatureNotSupported naming the feature), or "missing" (anything else)."""
+    """How `journeyman.art` answers one use: works, refused (ArtFeatureNotSupported naming the ART
+    feature and what to use instead), or missing (anything else)."""
     import importlib
     import inspect
 
@@ -791,8 +791,7 @@ def on_journeyman(use: tuple[str, str, str]) -> str:
         obj = ours(name, callable=kind == "keyword")
         if kind == "name":
             return "works"
-        named, _ = keywords_of(obj)
-        if kw in named:
+        if kw in keywords_of(obj):
             return "works"
         out = obj(**{kw: None})  # what refuses a keyword refuses it before doing anything else
         if inspect.iscoroutine(out):
