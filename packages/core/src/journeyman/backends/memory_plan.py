@@ -501,18 +501,20 @@ def plan_memory(
     *,
     model: str | None = None,
     suggest: bool = True,
+    flag: Callable[[str], str] | None = None,
 ) -> MemoryPlan:
     """The memory plan of training `config`'s model with `setup` on `layout` (see the module docstring).
 
     When it does not fit and `suggest` is on, `changes` lists each single change that makes it fit
     (dtype, gradient checkpointing, sharding the base, vLLM tensor parallelism, a lower
     gpu_memory_utilization, a shorter max_seq_len or max_model_len), or else the first combination
-    of them that does."""
+    of them that does. `flag(field)`: how the caller spells a TrainingSetup or Layout field (the CLI:
+    its option), for changes worded as those; by default they are worded as Python settings."""
     shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
     name = model or (_name_of(config) if not isinstance(config, ModelShape) else shape.model_type) or "model"
     plan = _compute(shape, setup, layout, name)
     if not plan.fits and suggest:
-        plan.changes = _changes(shape, setup, layout, name)
+        plan.changes = _changes(shape, setup, layout, name, flag)
     return plan
 
 
@@ -679,24 +681,45 @@ class _Kind:
 
     options: list[tuple[str, _Change]]
     structural: bool
+    precision: bool = False  # dtype, checkpointing, offload: kept when a larger node is proposed
 
 
-def _kinds(shape: ModelShape, setup: TrainingSetup, layout: Layout) -> list[_Kind]:
+# names a TrainingSetup or Layout field as the caller spells it (the CLI: its flag); None: Python
+_Flag = Callable[[str], str] | None
+
+
+def _say(flag: _Flag, python: str, settings: Mapping[str, Any], what: str = "") -> str:
+    """A change as Python settings (`python`), or as the command line's flags when `flag` names them."""
+    if flag is None:
+        return python
+    said = " ".join(
+        flag(k) if v is True else f"{flag(k)} {v:g}" if isinstance(v, float) else f"{flag(k)} {v}"
+        for k, v in settings.items()
+    )
+    return f"{what} ({said})" if what else said
+
+
+def _kinds(shape: ModelShape, setup: TrainingSetup, layout: Layout, flag: _Flag = None) -> list[_Kind]:
     def upd(model: Any, **kw: Any) -> Any:
         return model.model_copy(update=kw)
 
     kinds: list[_Kind] = []
     if setup.dtype == "float32":
-        label = "dtype='bfloat16' (float32 weights, activations and KV cache take twice the memory)"
+        why = "float32 weights, activations and KV cache take twice the memory"
+        label = _say(flag, "dtype='bfloat16'", {"dtype": "bfloat16"}) + f" ({why})"
         kinds.append(
-            _Kind([(label, lambda s, lay: (upd(s, dtype="bfloat16"), upd(lay, engine_dtype=None)))], True)
+            _Kind(
+                [(label, lambda s, lay: (upd(s, dtype="bfloat16"), upd(lay, engine_dtype=None)))], True, True
+            )
         )
     if not setup.gradient_checkpointing:
-        label = "turn on gradient_checkpointing (TrainConfig)"
-        kinds.append(_Kind([(label, lambda s, lay: (upd(s, gradient_checkpointing=True), lay))], True))
+        label = _say(flag, "turn on gradient_checkpointing (TrainConfig)", {"gradient_checkpointing": True})
+        kinds.append(_Kind([(label, lambda s, lay: (upd(s, gradient_checkpointing=True), lay))], True, True))
     gpus, cuda = layout.gpus, layout.device == "cuda"
     if cuda and gpus > 1 and not (layout.shard_base and layout.trainer_ranks == gpus):
-        label = f"shard the base across {gpus} ranks (TrainerConfig(world_size={gpus}) with the base sharded)"
+        what = f"shard the base across {gpus} ranks"
+        python = f"{what} (TrainerConfig(world_size={gpus}) with the base sharded)"
+        label = _say(flag, python, {"trainer_ranks": gpus, "shard_base": True}, what)
         kinds.append(
             _Kind([(label, lambda s, lay: (s, upd(lay, trainer_ranks=gpus, shard_base=True)))], True)
         )
@@ -710,9 +733,12 @@ def _kinds(shape: ModelShape, setup: TrainingSetup, layout: Layout) -> list[_Kin
             label = f"tensor_parallel_size={tp}" + (
                 f" with data_parallel_size={dp}" if dp != layout.data_parallel_size else ""
             )
+            parallel = {"tensor_parallel_size": tp} | (
+                {"data_parallel_size": dp} if dp != layout.data_parallel_size else {}
+            )
             options.append(
                 (
-                    label + " (VLLMConfig)",
+                    _say(flag, label + " (VLLMConfig)", parallel),
                     lambda s, lay, tp=tp, dp=dp: (
                         s,
                         upd(lay, tensor_parallel_size=tp, data_parallel_size=dp),
@@ -722,8 +748,8 @@ def _kinds(shape: ModelShape, setup: TrainingSetup, layout: Layout) -> list[_Kin
         if options:
             kinds.append(_Kind(options, True))
     if setup.gradient_checkpointing and not setup.offload_activations:
-        label = "turn on offload_activations (TrainConfig)"
-        kinds.append(_Kind([(label, lambda s, lay: (upd(s, offload_activations=True), lay))], True))
+        label = _say(flag, "turn on offload_activations (TrainConfig)", {"offload_activations": True})
+        kinds.append(_Kind([(label, lambda s, lay: (upd(s, offload_activations=True), lay))], True, True))
     if vllm:
         now = layout.gpu_memory_utilization
         utils = sorted(
@@ -731,7 +757,7 @@ def _kinds(shape: ModelShape, setup: TrainingSetup, layout: Layout) -> list[_Kin
         )
         options = [
             (
-                f"gpu_memory_utilization={u:g} (VLLMConfig)",
+                _say(flag, f"gpu_memory_utilization={u:g} (VLLMConfig)", {"gpu_memory_utilization": u}),
                 lambda s, lay, u=u: (s, upd(lay, gpu_memory_utilization=u)),
             )
             for u in utils
@@ -739,14 +765,21 @@ def _kinds(shape: ModelShape, setup: TrainingSetup, layout: Layout) -> list[_Kin
         kinds.append(_Kind(options, False))
     options = [
         (
-            f"lower max_seq_len to {n} (TrainConfig; longer rows are fitted by long_rows)",
+            _say(
+                flag,
+                f"lower max_seq_len to {n} (TrainConfig; longer rows are fitted by long_rows)",
+                {"max_seq_len": n},
+            ),
             lambda s, lay, n=n: (upd(s, max_seq_len=n, micro_batch_tokens=min(s.micro_batch_tokens, n)), lay),
         )
         for n in _shorter(setup.max_seq_len)
     ]
     kinds.append(_Kind(options, False))
     options = [
-        (f"lower max_model_len to {n} (VLLMConfig)", lambda s, lay, n=n: (s, upd(lay, max_model_len=n)))
+        (
+            _say(flag, f"lower max_model_len to {n} (VLLMConfig)", {"max_model_len": n}),
+            lambda s, lay, n=n: (s, upd(lay, max_model_len=n)),
+        )
         for n in _shorter(layout.max_model_len)
     ]
     if vllm:
@@ -759,7 +792,9 @@ def _shorter(length: int) -> list[int]:
     return [n for n in range((length - 1) // 1024 * 1024, 1023, -1024)]
 
 
-def _changes(shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str) -> list[str]:
+def _changes(
+    shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str, flag: _Flag = None
+) -> list[str]:
     """Each kind's mildest change that alone makes the plan fit; if none does, the first combination
     (structural changes added in order, each followed by a search of the tunable ones) that does."""
 
@@ -770,7 +805,7 @@ def _changes(shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str)
             return None
         return (s, lay) if _compute(shape, s, lay, name).fits else None
 
-    kinds = _kinds(shape, setup, layout)
+    kinds = _kinds(shape, setup, layout, flag)
     singles = [
         next((label for label, change in kind.options if fits(change, setup, layout)), None) for kind in kinds
     ]
@@ -787,7 +822,7 @@ def _changes(shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str)
                     return ["together: " + ", ".join([*chosen, label])]
         return None
 
-    s, lay, chosen = setup, layout, []
+    s, lay, chosen, precision = setup, layout, [], []
     for kind in (k for k in kinds if k.structural):
         for label, change in kind.options:  # mildest first, with what is chosen so far
             s2, lay2 = change(s, lay)
@@ -796,14 +831,16 @@ def _changes(shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str)
         label, change = kind.options[-1]  # not enough: keep the strongest, add the next kind
         s, lay = change(s, lay)
         chosen.append(label)
+        precision += [label] if kind.precision else []
     if layout.device != "cuda":
         return []
     # not on these GPUs: the smallest node of the same GPUs that holds it, the base sharded across
     # all of them, as asked or with the precision changes above
-    precision = [c for c in chosen if c.startswith(("dtype", "turn on"))]
     for gpus in (2, 4, 8, 16, 32, 64):
         for tp in (1, 2, 4, 8, 16):
             if gpus <= layout.gpus or tp > gpus or shape.num_attention_heads % tp:
+                continue
+            if tp > 1 and layout.engine != "vllm":  # the torch engine has no tensor parallelism
                 continue
             node = {"gpus": gpus, "trainer_ranks": gpus, "shard_base": True, "tensor_parallel_size": tp}
             node["data_parallel_size"] = 1
@@ -812,7 +849,11 @@ def _changes(shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str)
                     where = (
                         f"{gpus} GPUs of {_gib(layout.gpu_bytes)} GiB, the base sharded across {gpus} ranks"
                     )
-                    return [", ".join([where + (f", tensor_parallel_size={tp}" if tp > 1 else ""), *extra])]
+                    python = where + (f", tensor_parallel_size={tp}" if tp > 1 else "")
+                    flags = {"gpus": gpus, "trainer_ranks": gpus, "shard_base": True}
+                    flags |= {"tensor_parallel_size": tp} if tp > 1 else {}
+                    node_change = _say(flag, python, flags, f"{gpus} GPUs of {_gib(layout.gpu_bytes)} GiB")
+                    return [", ".join([node_change, *extra])]
     return []
 
 
