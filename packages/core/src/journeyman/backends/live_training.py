@@ -10,6 +10,14 @@ candidate) on the exact served tokens, each with its advantage (`rollout/baselin
 the new checkpoint is a candidate, served beside the promoted step (as `name@<step>` and to the
 canary share of new episodes) until the gate decides. Every decision is a history row.
 
+An episode is the calls of the token that reports its outcome (`rollout/capture.py`: another
+token's requests under the same id are another episode). An outcome is checked whole before anything
+happens (`EpisodeOutcome`'s bounds: a finite reward within ±MAX_OUTCOME_REWARD, so the baseline and
+every statistic made of rewards stay finite); its calls are taken, and the baseline moves, only once
+it is on disk. A batch that cannot train (an episode journaled before those bounds, or a train call
+that failed MAX_BATCH_FAILURES times for the batch's own fault, as a non-finite loss) is set aside
+with its reason: a history row, `set_aside` in the counts and in settled.jsonl; never retried.
+
 <run_dir>/live/
     groups.jsonl, settled.jsonl   the journal (`data/journal.py`) of scored episodes, a group of
                                   one trajectory each (metadata: episode id, group key, baseline at
@@ -42,6 +50,7 @@ from journeyman.client.wire import body_error
 from journeyman.data.config import TrainConfig, TrainResult
 from journeyman.data.journal import GroupJournal
 from journeyman.data.live_types import (
+    MAX_OUTCOME_REWARD,
     Decision,
     DecisionAction,
     EpisodeOutcome,
@@ -53,13 +62,19 @@ from journeyman.data.provenance import oldest_step, trained_records
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError
 from journeyman.rollout.baseline import RunningBaseline, advantages
-from journeyman.rollout.capture import CapturedCall, Captures
+from journeyman.rollout.capture import CapturedCall, Captures, capture_key
 from journeyman.rollout.histories import join_calls, trajectory_of
 
 log = logging.getLogger("journeyman.backends.live_training")
 
 TICK_S = 0.2
 KEPT_DECISIONS = 20
+MAX_BATCH_FAILURES = 3  # failed train calls of one batch, for a fault of its own, before it is set aside
+RETRY_S = 1.0  # a failed batch is tried again after this, doubled each failure (at most RETRY_MAX_S)
+RETRY_MAX_S = 60.0  # the longest wait before a failed batch is tried again
+_OWN_FAULTS = (ValueError, TypeError, KeyError, ArithmeticError)
+"""What a batch's own content raises (a refused field, a non-finite loss: `grad_norm=nan`): after
+MAX_BATCH_FAILURES it is set aside. Anything else (a disk, an engine) is the server's, tried again."""
 
 TrainFrom = Callable[[list[TrajectoryGroup], TrainConfig, str, int], Awaitable[TrainResult]]
 """`(groups, config, idempotency key, parent step)`: a step from `parent`; the result's step is the
@@ -92,6 +107,7 @@ class _Settling:
     calls: list[CapturedCall]
     baseline: float
     until: float
+    key: str  # its capture key: the episode id of the token that reported it (`capture_key`)
     group: TrajectoryGroup | None = None  # as last written
 
 
@@ -104,7 +120,8 @@ def _replay(
     journal: GroupJournal,
 ) -> tuple[dict[str, EpisodeOutcome], RunningBaseline, list[tuple[int | None, float]]]:
     """What the journal says so far: each scored episode's outcome by id, the baselines they moved,
-    and (serving step, reward) in arrival order."""
+    and (serving step, reward) in arrival order. A reward outside the range outcomes have (a journal
+    written before they were bounded) moves nothing; its episode is set aside when it comes to train."""
     known: dict[str, EpisodeOutcome] = {}
     baseline = RunningBaseline()
     scored: list[tuple[int | None, float]] = []
@@ -112,11 +129,26 @@ def _replay(
         if row["id"] in known:
             continue
         t = TrajectoryGroup.model_validate(row["group"])
-        meta = t.trajectories[0].metadata
-        known[row["id"]] = EpisodeOutcome.model_validate(meta["outcome"])
-        baseline.before(meta["outcome"].get("group"), meta["outcome"]["reward"])
-        scored.append((_served_step(t), meta["outcome"]["reward"]))
+        outcome = t.trajectories[0].metadata["outcome"]
+        try:
+            known[row["id"]] = EpisodeOutcome.model_validate(outcome)
+        except ValidationError:  # past today's bounds: still an outcome, never trained (`_unfit`)
+            known[row["id"]] = EpisodeOutcome.model_construct(**outcome)
+            continue
+        baseline.add(outcome.get("group"), outcome["reward"])
+        scored.append((_served_step(t), outcome["reward"]))
     return known, baseline, scored
+
+
+def _unfit(group: TrajectoryGroup) -> str | None:
+    """Why a journaled episode cannot train (one written before outcomes were bounded), or None."""
+    t = group.trajectories[0]
+    reward, baseline = t.reward, t.metadata.get("baseline")
+    if not (math.isfinite(reward) and abs(reward) <= MAX_OUTCOME_REWARD):
+        return f"reward {reward!r} is outside ±{MAX_OUTCOME_REWARD:g} (MAX_OUTCOME_REWARD)"
+    if not isinstance(baseline, int | float) or not abs(baseline) <= MAX_OUTCOME_REWARD:
+        return f"its baseline {baseline!r} is not a number within ±{MAX_OUTCOME_REWARD:g}"
+    return None
 
 
 def _decision_row(d: Decision, parent: int | None, extra: dict[str, float]) -> dict[str, Any]:
@@ -147,7 +179,17 @@ class LiveRun:
         self.rejected: set[int] = set(state.get("rejected", []))
         self.decisions = [Decision.model_validate(d) for d in state.get("decisions", [])]
         self.counts = dict.fromkeys(
-            ("outcomes", "duplicates", "refused_expired", "unknown", "stale", "trained", "steps"), 0
+            (
+                "outcomes",
+                "duplicates",
+                "refused_expired",
+                "unknown",
+                "stale",
+                "trained",
+                "steps",
+                "set_aside",
+            ),
+            0,
         )
         self.known, self.baseline, self.scored = _replay(self.journal)
         self.counts["outcomes"] = len(self.known)
@@ -165,6 +207,8 @@ class LiveRun:
         # another run's (or another eval function's) numbers do not compare
         self.best: tuple[int, float] | None = None
         self.error: str | None = None
+        self.failures: dict[str, int] = {}  # failed train calls each waiting episode was in, so far
+        self.retry_at = 0.0  # time.monotonic() before which a failed batch is not tried again
 
     # -- the served steps --------------------------------------------------------------------
 
@@ -221,22 +265,26 @@ class LiveRun:
     # -- outcomes ----------------------------------------------------------------------------
 
     def report(self, outcome: EpisodeOutcome) -> OutcomeReceipt:
-        """Record an episode's outcome (idempotent: the same outcome again changes nothing)."""
+        """Record an episode's outcome (idempotent: the same outcome again changes nothing). The
+        episode is the calls the caller's own token filed under its id (`capture_key`). They are
+        taken, and the baseline moves, only once the episode is on disk: an outcome refused or
+        failed leaves everything as it was, and a good one can be posted again."""
         eid = outcome.episode_id
-        if eid in self.known:
-            if self.known[eid] != outcome:
+        key = capture_key(eid)
+        if key in self.known:
+            if self.known[key] != outcome:
                 raise InvalidFieldError(
                     "reward",
                     outcome.reward,
-                    f"episode {eid!r} already has an outcome (reward {self.known[eid].reward}); an outcome is final",
+                    f"episode {eid!r} already has an outcome (reward {self.known[key].reward}); an outcome is final",
                 )
             self.counts["duplicates"] += 1
-            settling = self.settling.get(eid)
+            settling = self.settling.get(key)
             calls = len(settling.calls) if settling is not None else 0
             return OutcomeReceipt(episode_id=eid, status="duplicate", calls=calls, step=None)
-        calls = self.s.captures.pop(eid)
+        calls = self.s.captures.peek(key)
         if not calls:
-            if self.s.captures.was_dropped(eid):
+            if self.s.captures.was_dropped(key):
                 self.counts["refused_expired"] += 1
                 raise InvalidFieldError(
                     "episode_id",
@@ -249,41 +297,44 @@ class LiveRun:
                 eid,
                 "no request carried it (header x-journeyman-capture), or another outcome took its calls",
             )
-        baseline = self.baseline.before(outcome.group, outcome.reward)
-        settling = _Settling(outcome, calls, baseline, time.monotonic() + self.config.settle_s)
-        group = self._write(eid, settling)  # on disk before the answer: a kill loses none
-        self.known[eid] = outcome
+        baseline = self.baseline.value(outcome.group)
+        settling = _Settling(outcome, calls, baseline, time.monotonic() + self.config.settle_s, key)
+        group = self._write(settling, calls)  # on disk before the answer: a kill loses none
+        self.s.captures.take(key, len(calls))
+        self.baseline.add(outcome.group, outcome.reward)
+        self.known[key] = outcome
         self.counts["outcomes"] += 1
         step = _served_step(group)
         self.scored.append((step, outcome.reward))
-        self.settling[eid] = settling
+        self.settling[key] = settling
         return OutcomeReceipt(episode_id=eid, status="accepted", calls=len(calls), step=step)
 
-    def _write(self, eid: str, e: _Settling) -> TrajectoryGroup:
-        meta = {"episode_id": eid, "outcome": e.outcome.model_dump(), "baseline": e.baseline}
+    def _write(self, e: _Settling, calls: list[CapturedCall]) -> TrajectoryGroup:
+        """The episode of `calls` into the journal (fsynced); then it is `e`'s (`e.calls`, `e.group`)."""
+        meta = {"episode_id": e.outcome.episode_id, "outcome": e.outcome.model_dump(), "baseline": e.baseline}
         t: Trajectory = trajectory_of(
-            join_calls(e.calls), reward=e.outcome.reward, metrics=dict(e.outcome.metrics), metadata=meta
+            join_calls(calls), reward=e.outcome.reward, metrics=dict(e.outcome.metrics), metadata=meta
         )
         group = TrajectoryGroup([t])
-        self.journal.add(eid, group)
-        e.group = group
+        self.journal.add(e.key, group)
+        e.calls, e.group = calls, group
         return group
 
     def _settle(self) -> None:
         now = time.monotonic()
-        for eid, e in list(self.settling.items()):
-            if self.s.captures.in_flight(eid):  # a call of it is being answered: wait for it
+        for key, e in list(self.settling.items()):
+            if self.s.captures.in_flight(key):  # a call of it is being answered: wait for it
                 e.until = now + self.config.settle_s
                 continue
-            later = self.s.captures.pop(eid)
+            later = self.s.captures.peek(key)
             if later:  # calls served after the outcome: the episode is written again, whole
-                e.calls += later
+                self._write(e, e.calls + later)
+                self.s.captures.take(key, len(later))
                 e.until = now + self.config.settle_s
-                self._write(eid, e)
             elif now >= e.until:
-                del self.settling[eid]
+                del self.settling[key]
                 assert e.group is not None
-                self.waiting[eid] = (e.group, now)
+                self.waiting[key] = (e.group, now)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -319,14 +370,15 @@ class LiveRun:
                 self._judge_canary()
             return
         self._check_rollback()
+        if time.monotonic() < self.retry_at:  # a batch failed: not again at once
+            return
         batch = self._due()
         if batch is not None:
             self.busy = asyncio.create_task(self._train(*batch))
 
     def _due(self) -> tuple[list[tuple[str, TrajectoryGroup]], str | None] | None:
-        if self.sent is not None:
-            sent, self.sent = self.sent, None
-            return sent.groups, sent.key
+        if self.sent is not None:  # kept until it trains or is set aside
+            return self.sent.groups, self.sent.key
         for eid, (group, _) in list(self.waiting.items()):  # too far behind the step it would train
             oldest = oldest_step(group)
             if oldest is not None and self.promoted - oldest > self.config.max_steps_off_policy:
@@ -346,17 +398,34 @@ class LiveRun:
         return [(eid, g) for eid, (g, _) in ready[: c.episodes_per_step]], None
 
     async def _train(self, batch: list[tuple[str, TrajectoryGroup]], key: str | None) -> None:
-        ids = [eid for eid, _ in batch]
-        key = key or "live-" + hashlib.sha256("\n".join(ids).encode()).hexdigest()[:32]
+        """Train `batch` (with `key`: the call a restart retries). An episode that cannot train is set
+        aside first; a call that fails for the batch's own fault MAX_BATCH_FAILURES times sets the
+        batch aside, one that fails otherwise is tried again later (RETRY_S, doubling)."""
         parent = self.promoted
+        why = {eid: _unfit(g) for eid, g in batch}
+        for reason in dict.fromkeys(w for w in why.values() if w is not None):
+            self._set_aside([eid for eid, w in why.items() if w == reason], parent, reason)
+        batch = [(eid, g) for eid, g in batch if why[eid] is None]
+        ids = [eid for eid, _ in batch]
+        if not ids:
+            return
+        key = key or "live-" + hashlib.sha256("\n".join(ids).encode()).hexdigest()[:32]
         self.journal.settle(ids, "training", parent, key)  # a restart retries this very call
-        groups = _advantage_groups([g for _, g in batch])
-        result = await self.s.train_from(groups, self.config.train, key, parent)
+        try:
+            groups = _advantage_groups([g for _, g in batch])
+            result = await self.s.train_from(groups, self.config.train, key, parent)
+        except Exception as e:
+            if not self._failed(ids, parent, e):
+                raise  # the loop shows it (`status().error`) and tries the batch again later
+            return
         self.journal.settle(ids, "trained", result.step)
+        self.sent = None
         for eid in ids:
             self.waiting.pop(eid, None)
+            self.failures.pop(eid, None)
         self.counts["trained"] += len(ids)
         self.counts["steps"] += 1
+        log.info("live %s: %d episodes trained: %s", self.s.name, len(ids), result.skip_reason or result.step)
         if result.skipped or result.step == parent:
             return
         self.parents[result.step] = parent
@@ -364,6 +433,32 @@ class LiveRun:
         self.candidate_since = len(self.scored)  # index into `scored` when the candidate began to be judged
         self._save()
         self._serve_candidate()
+
+    def _failed(self, ids: list[str], parent: int, e: Exception) -> bool:
+        """Count a failed train call of `ids`; True when that set them aside (the batch's own fault,
+        MAX_BATCH_FAILURES times), else the batch waits RETRY_S (doubling) before it is tried again."""
+        n = max(self.failures.get(eid, 0) for eid in ids) + 1
+        self.failures.update(dict.fromkeys(ids, n))
+        if isinstance(e, _OWN_FAULTS) and n >= MAX_BATCH_FAILURES:
+            self._set_aside(ids, parent, f"its train call failed {n} times: {type(e).__name__}: {e}"[:500])
+            return True
+        self.retry_at = time.monotonic() + min(RETRY_MAX_S, RETRY_S * 2 ** (n - 1))
+        return False
+
+    def _set_aside(self, ids: list[str], parent: int, reason: str) -> None:
+        """Episodes that cannot train: never trained (kept in the journal, `set_aside` in
+        settled.jsonl), counted, and a history row says why."""
+        self.journal.settle(ids, "set_aside", parent)
+        for eid in ids:
+            self.waiting.pop(eid, None)
+            self.failures.pop(eid, None)
+        if self.sent is not None:  # the rest of a call a restart retries goes on without them
+            self.sent.groups = [(i, g) for i, g in self.sent.groups if i not in ids]
+            self.sent = self.sent if self.sent.groups else None
+        self.counts["set_aside"] += len(ids)
+        self.error = f"set aside {len(ids)} episodes: {reason}"
+        self.s.record({"step": parent, "split": "live", "set_aside": len(ids), "reason": reason})
+        log.warning("live %s: %s", self.s.name, self.error)
 
     # -- the gate ----------------------------------------------------------------------------
 
@@ -495,7 +590,7 @@ class LiveRun:
         self._save()
         self._serve_candidate()
         self.s.record(_decision_row(decision, self.parents.get(step), extra or {}))
-        log.warning("live %s: %s step %d (%s); serving %d", self.s.name, action, step, reason, self.promoted)
+        log.info("live %s: %s step %d (%s); serving %d", self.s.name, action, step, reason, self.promoted)
         return decision
 
     # -- status ------------------------------------------------------------------------------
@@ -604,7 +699,9 @@ async def resume_live(s: ServedModel) -> None:
 
 def live_run(s: ServedModel) -> LiveRun:
     if not isinstance(s.live, LiveRun):
-        raise InvalidFieldError("model", s.model.name, "live training is off: start it with `live` first")
+        raise InvalidFieldError(
+            "model", s.model.name, "live training is off: start it (model.live, or `journeyman live start`)"
+        )
     return s.live
 
 

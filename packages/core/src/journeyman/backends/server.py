@@ -158,14 +158,17 @@ def create_app(
         reason = (
             "not a model this server can load (the embedded model, or a model directory or hub id it holds)"
         )
+        log.info("refused: %s", e)
         return json_error(400, f"model.base_model: {reason}", "model.base_model", reason=reason)
 
     @app.exception_handler(UnknownModelError)
     async def unknown(_: Request, e: UnknownModelError) -> JSONResponse:
+        log.info("refused: %s", e)
         return json_error(404, str(e), "model", "model_not_found", model=e.name, served=e.served)
 
     @app.exception_handler(InvalidFieldError)
     async def invalid(_: Request, e: InvalidFieldError) -> JSONResponse:
+        log.info("refused: %s", e)
         return json_error(400, str(e), e.field, value=repr(e.value)[:200], reason=e.reason)
 
     @app.exception_handler(JourneymanError)
@@ -208,7 +211,9 @@ def create_app(
 
             async def run() -> None:
                 try:
-                    job.add(TrainEvent(kind="result", result=await train(progress)))
+                    result = await train(progress)
+                    log.info("%s: %s", key, result.skip_reason or f"trained, now at step {result.step}")
+                    job.add(TrainEvent(kind="result", result=result))
                 except Exception as e:  # the client gets the error as an event, by name
                     log.exception("train %s failed", key)
                     error: dict[str, Any] = {"type": type(e).__name__, "message": str(e), "param": None}
@@ -270,6 +275,7 @@ def _add_route(
 async def _register(backend: ServedBackend, model: ModelConfig) -> Registered:
     _check_registry(backend, model)  # before loading anything: a name lives in one project
     await backend.register(model)
+    log.info("registered %s/%s (base %s)", model.project, model.name, model.base_model)
     _remember(backend, model)
     return Registered(run_dir=str(backend.run_dir(model)))
 
