@@ -15,6 +15,12 @@ Blocks that need nothing from the reader and no service (EXTERNAL) then run for 
 blocks in order in one namespace, in a subprocess against the embedded model (run_doc_blocks.py).
 Inline code in the prose is checked too: `jm.X`, `journeyman.a.b` and `from journeyman.x import Y`
 are public, and every repository path the docs mention (examples/, bench/, docs/, packages/) exists.
+
+The shell commands too (```bash blocks; every fence names its language): each one's arguments are
+parsed by its own parser, and each is either run here as written (RUN: in one scratch directory, in
+order, long runs at small sizes, servers started and asked) or listed in NOT_RUN with the reason
+(a GPU, a network service, the reader's own server, minutes of training). Inline `journeyman x
+--flag` spans in the prose name commands and flags that exist.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -601,3 +608,414 @@ def test_block_runs(block: Block, run_doc: Callable[[str], dict[str, Any]]) -> N
     result = ran["results"].get(block.id)
     assert result is not None, f"{block.id} did not run (an earlier block failed?); output:\n{ran['output']}"
     assert result["ok"], f"{block.id} failed after {result['seconds']:.0f} s:\n{result['error']}"
+
+
+# -- the shell commands -------------------------------------------------------------------------------
+# Every fenced block names its language, so a command cannot hide in an unlabelled block: ```bash
+# blocks hold commands, ```text blocks what a command prints. Each command of a ```bash block (a
+# line, `\` continuations joined, split at `&&`) is either run here as written (RUN below, in one
+# scratch directory, in order) or listed in NOT_RUN with the reason; either way its arguments are
+# parsed by the command's own parser first (`journeyman` and `mcp-rl` in process, by click, without
+# running; a Python script or module by its `--help`, which must name every flag the line passes),
+# so a renamed flag fails here even where the command cannot run.
+FENCE_LANGUAGES = {"python", "py", "bash", "text", "json", "ts", "diff"}
+SHELL_LANGUAGES = {"bash"}
+
+
+@dataclass(frozen=True)
+class Command:
+    path: str  # the Markdown file, relative to ROOT
+    line: int  # the line the command starts on
+    text: str  # as written (continuations joined, comment dropped)
+    argv: tuple[str, ...]  # the program and its arguments: env, `cd`, `nice`, `uv run`, `./dev` taken off
+    env: tuple[tuple[str, str], ...]  # VAR=value written before it
+    cwd: str  # the directory an earlier `cd` of the same block moved to, relative to the reader's start
+
+    @property
+    def id(self) -> str:
+        return f"{self.path}:{self.line}"
+
+    def entries(self) -> list[tuple[str, str]]:
+        """The RUN and NOT_RUN entries naming this command: one of its whole text, else those
+        holding a piece of it (a test wants exactly one)."""
+        keys = [k for k in (*RUN, *NOT_RUN) if k[0] == self.path]
+        exact = [k for k in keys if k[1] == self.text]
+        return exact or [k for k in keys if k[1] in self.text]
+
+
+def _logical_lines(source: str, first_line: int) -> Iterator[tuple[int, str]]:
+    start, pending = first_line, ""
+    for n, line in enumerate(source.splitlines(), start=first_line):
+        if not pending:
+            start = n
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        yield start, pending + line
+        pending = ""
+
+
+def shell_commands(doc: Path) -> list[Command]:
+    import shlex
+
+    rel = doc.relative_to(ROOT).as_posix()
+    fenced, _ = split_markdown(doc.read_text())
+    found: list[Command] = []
+    for fence_line, lang, source in fenced:
+        if lang not in SHELL_LANGUAGES:
+            continue
+        cwd = "."
+        for line, text in _logical_lines(source, fence_line + 1):
+            words = shlex.split(text, comments=True)
+            while words:
+                part = words[: words.index("&&")] if "&&" in words else words
+                words, text = words[len(part) + 1 :], shlex.join(part)
+                env: list[tuple[str, str]] = []
+                while part and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", part[0]):
+                    name, _, value = part.pop(0).partition("=")
+                    env.append((name, value))
+                if part[:1] == ["nice"]:
+                    part = part[3:] if part[1:2] == ["-n"] else part[1:]
+                if part[:2] == ["uv", "run"]:
+                    part = part[2:]
+                if part[:1] == [
+                    "./dev"
+                ]:  # `./dev demo` runs `journeyman demo`, `./dev test` pytest, `./dev X` X
+                    known = {"demo": ["journeyman", "demo"], "test": ["pytest"]}
+                    part = [*known[part[1]], *part[2:]] if part[1] in known else part[1:]
+                if part[:1] == ["cd"]:
+                    cwd = os.path.normpath(os.path.join(cwd, part[1]))
+                    continue
+                found.append(Command(rel, line, text, tuple(part), tuple(env), cwd))
+    return found
+
+
+COMMANDS = [c for doc in DOCS for c in shell_commands(doc)]
+
+# Run here, as written, in this order, in one scratch directory (the reader's shell), and how each
+# is changed to run in a test: a server is started, asked, stopped; a long run gets small sizes
+# (flags appended: the last one wins). command -> (extra arguments, how it is run).
+RUN: dict[tuple[str, str], tuple[str, str]] = {
+    ("docs/scale.md", "journeyman plan --preset qwen2.5-7b-instruct"): ("", "exit 0"),
+    ("README.md", "journeyman serve --host 127.0.0.1 --port 7800 --path ./runs"): (
+        "--port {port}",
+        "server: prints its URL and an API token, then the commands below use it",
+    ),
+    (
+        "docs/protocol.md",
+        "curl -H 'Authorization: Bearer $JOURNEYMAN_TOKEN' http://127.0.0.1:7800/openapi.json",
+    ): (
+        "",
+        "exit 0 and the OpenAPI document, from README's server (its port for 7800)",
+    ),
+    ("README.md", "journeyman token add ci-trainer --scope train --path ./runs"): ("", "exit 0"),
+    ("README.md", "journeyman token revoke ci-trainer --path ./runs"): ("", "exit 0"),
+    ("README.md", "./dev demo"): (
+        "--steps 1 --groups-per-step 1 --group-size 2 --eval-prompts 1",
+        "exit 0: one small step instead of ten",
+    ),
+    ("docs/viewer.md", "journeyman view"): ("--port {port}", "server: serves its page"),
+    ("README.md", "journeyman view"): ("--port {port}", "server: serves its page"),
+}
+# Not run here: command -> why. Their arguments are still parsed (see above).
+NOT_RUN: dict[tuple[str, str], str] = {
+    ("README.md", "./dev test"): "the whole test suite, which this test is part of",
+    ("README.md", "mcp-rl train http://127.0.0.1:8000/mcp"): "an MCP server on port 8000 (yours)",
+    ("README.md", "mcp-rl train -- mcp-server-time"): (
+        "minutes of training; mcp-server-time from PyPI is started by packages/mcp/tests"
+    ),
+    ("README.md", "mcp-rl scenarios"): "my_server.py is the reader's MCP server",
+    ("README.md", "mcp-rl train --scenarios-file scenarios.json"): "my_server.py is the reader's MCP server",
+    ("README.md", "mcp-rl eval --step 3"): "my_server.py is the reader's MCP server",
+    ("README.md", "mcp-rl train --scenarios-file examples/mcp_todo_scenarios.json"): (
+        "10-16 minutes of training (examples/sft_warmup_todo.py and packages/mcp/tests run it small)"
+    ),
+    ("packages/mcp/README.md", "mcp-rl train --scenarios-file examples/mcp_todo_scenarios.json"): (
+        "10-16 minutes of training (the same command as README's)"
+    ),
+    ("packages/mcp/README.md", "mcp-rl eval --scenarios-file"): "the step-10 checkpoint of the run above",
+    ("packages/mcp/README.md", "pip install journeyman-mcp"): "installs from PyPI",
+    (
+        "packages/mcp/README.md",
+        "mcp-rl train http://127.0.0.1:8000/mcp",
+    ): "an MCP server on port 8000 (yours)",
+    (
+        "packages/mcp/README.md",
+        "mcp-rl train http://127.0.0.1:8000/sse",
+    ): "an MCP server on port 8000 (yours)",
+    ("packages/mcp/README.md", "mcp-rl train -- mcp-server-time"): "minutes of training (as README's)",
+    ("README.md", "journeyman sft good.jsonl"): "good.jsonl is the reader's (packages/core/tests run `sft`)",
+    ("README.md", "journeyman langfuse pull"): "a Langfuse server (network)",
+    ("README.md", "journeyman sft review.jsonl"): "review.jsonl comes from the Langfuse pull before it",
+    ("README.md", "mcp-rl train --sft-warmup good.jsonl"): "my_server.py is the reader's MCP server",
+    ("README.md", "journeyman serve --port 7800 --path ./runs"): (
+        "the server README's first `journeyman serve` line starts; tests/test_typescript.py starts one"
+    ),
+    ("README.md", "npm ci"): "npm: tests/test_typescript.py runs this line in a fresh checkout",
+    ("README.md", "npm run build"): "npm: tests/test_typescript.py runs this line in a fresh checkout",
+    ("README.md", "npm start"): "npm: tests/test_typescript.py runs it with small sizes against a server",
+    ("docs/protocol.md", "journeyman serve --host 127.0.0.1"): "the same server as README's, started there",
+    (
+        "docs/live.md",
+        "x-journeyman-capture: ticket-4711",
+    ): "a server with live training on (test_live_training.py)",
+    ("docs/live.md", "episode_id"): "a server with live training on (test_live_training.py)",
+    ("docs/live.md", "journeyman live langfuse"): "a Langfuse server (network) and a live server",
+    (
+        "docs/live.md",
+        "live_todo.py --users 6",
+    ): "16 minutes (measured runs); tests/test_examples.py runs it small",
+    (
+        "docs/live.md",
+        "live_todo.py --users 8",
+    ): "12 minutes (measured runs); tests/test_examples.py runs it small",
+    ("docs/live.md", "--max-minutes 20"): "20 minutes (a measured run)",
+    ("docs/live.md", "--max-minutes 17"): "17 minutes (a measured run)",
+    ("docs/live.md", "--name live-long"): "35 minutes (a measured run)",
+    ("docs/live.md", "--name live-best"): "35 minutes (a measured run)",
+    ("docs/scale.md", "./dev journeyman demo"): "GPU: the demo on one GPU (README's `./dev demo` runs here)",
+    (
+        "docs/scale.md",
+        "--node-rank 0",
+    ): "several nodes; train.py is the reader's (test_distributed.py runs two agents)",
+    (
+        "docs/scale.md",
+        "--node-rank 1",
+    ): "several nodes and a 7B on disk (test_distributed.py runs two agents)",
+    ("docs/scale.md", "--model-config /models/Qwen3-32B"): "Qwen3-32B's config.json on disk",
+    ("docs/soak.md", "bench/soak.py"): "65 minutes (tests/test_soak.py runs it for a quarter minute)",
+    ("docs/viewer.md", "journeyman view .journeyman/journeyman-demo/models/demo other-runs/"): (
+        "a demo run and a folder of other runs (the viewer's tests build both)"
+    ),
+    ("docs/viewer.md", "mcp-rl train --path /tmp/mcpshots"): "minutes of training, for the screenshots",
+    ("docs/viewer.md", "docs/viewer/screenshots.py"): "a browser, for the screenshots",
+}
+
+
+def test_fences_name_their_language() -> None:
+    """A block's language says what it is: commands (```bash) are run or listed, output is ```text."""
+    problems = [
+        f"{doc.relative_to(ROOT)}:{line}: ```{lang}"
+        for doc in DOCS
+        for line, lang, _ in split_markdown(doc.read_text())[0]
+        if lang not in FENCE_LANGUAGES
+    ]
+    assert not problems, "fences with no or an unknown language:\n  " + "\n  ".join(problems)
+
+
+def test_every_command_is_run_or_listed() -> None:
+    """Each command of the docs is in RUN or in NOT_RUN, not both; each entry names one command."""
+    assert len(COMMANDS) >= 30
+    for command in COMMANDS:
+        listed = command.entries()
+        assert listed, f"{command.id} `{command.text}`: add it to RUN, or to NOT_RUN with the reason"
+        assert len(listed) == 1, f"{command.id} `{command.text}` matches several entries: {listed}"
+    for key in (*RUN, *NOT_RUN):
+        assert any(c.entries() == [key] for c in COMMANDS), f"no command of {key[0]} holds {key[1]!r}"
+
+
+_CLICK_APPS = {"journeyman": "journeyman.app.cli", "mcp-rl": "journeyman_mcp.cli"}
+
+
+def click_parse(argv: tuple[str, ...]) -> None:
+    """Parses argv with the command's own (typer's click) parser, subcommands included, without
+    running it; a refused argument raises typer.TyperException (click's UsageError)."""
+    import typer.main
+
+    command: Any = typer.main.get_command(importlib.import_module(_CLICK_APPS[argv[0]]).app)
+    ctx = command.make_context(argv[0], list(argv[1:]))
+    while hasattr(command, "resolve_command"):  # a group: the rest names a subcommand
+        name, sub, rest = command.resolve_command(ctx, [*ctx._protected_args, *ctx.args])
+        assert sub is not None and name is not None, f"{argv}: no subcommand {rest[:1]}"
+        command, ctx = sub, sub.make_context(name, rest, parent=ctx)
+
+
+_HELP: dict[tuple[str, ...], str] = {}
+
+
+def help_text(program: tuple[str, ...], cwd: Path) -> str:
+    if program not in _HELP:
+        done = subprocess.run(
+            [*program, "--help"], cwd=cwd, env=_subprocess_env(), capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, f"{' '.join(program)} --help:\n{done.stderr[-2000:]}"
+        _HELP[program] = done.stdout
+    return _HELP[program]
+
+
+def _flags(args: tuple[str, ...]) -> list[str]:
+    return [a.split("=", 1)[0] for a in args if a.startswith("--") and len(a) > 2]
+
+
+def argument_problems(command: Command) -> list[str]:
+    """What the command's own parser says of the line's arguments ([] when it accepts them)."""
+    import typer
+
+    argv = command.argv
+    if argv[0] in _CLICK_APPS:
+        try:
+            click_parse(argv)
+        except typer.TyperException as e:
+            return [f"{' '.join(argv)}: {e.format_message()}"]
+        return []
+    cwd = ROOT / command.cwd
+    checks: list[tuple[tuple[str, ...], tuple[str, ...]]] = []  # (program, its arguments)
+    if argv[0] == "torchrun":
+        module = argv.index("-m") if "-m" in argv else None
+        script = next(i for i, a in enumerate(argv) if a.endswith(".py")) if module is None else None
+        end = module if module is not None else script
+        checks.append(((sys.executable, "-m", "torch.distributed.run"), argv[1:end]))
+        if module is not None:
+            checks.append(((sys.executable, "-m", argv[module + 1]), argv[module + 2 :]))
+    elif argv[0] == "python" and argv[1] == "-m":
+        checks.append(((sys.executable, "-m", argv[2]), argv[3:]))
+    elif argv[0] == "python":
+        checks.append(((sys.executable, argv[1]), argv[2:]))
+    else:
+        return []  # curl, pip, npm: not ours to parse
+    problems = []
+    for program, args in checks:
+        text = help_text(program, cwd)
+        problems += [
+            f"{' '.join(program[1:])}: no {flag} in its --help"
+            for flag in _flags(args)
+            if not re.search(rf"{re.escape(flag)}(?![\w-])", text)
+        ]
+    return problems
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.id)
+def test_command_arguments_parse(command: Command) -> None:
+    """The command's own parser accepts its arguments as written: a renamed flag fails here."""
+    problems = argument_problems(command)
+    assert not problems, f"{command.id} `{command.text}`:\n  " + "\n  ".join(problems)
+
+
+# -- running them -------------------------------------------------------------------------------------
+@dataclass
+class Shell:
+    """The reader's shell: one scratch directory, the variables a server printed, the servers."""
+
+    root: Path
+    env: dict[str, str]
+    port_of: dict[str, str]  # a port the docs write -> the free port its server got here
+    servers: list[subprocess.Popen[str]]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def shell(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shell]:
+    env = _subprocess_env()
+    env.pop("JOURNEYMAN_TOKEN", None)  # `journeyman serve` then prints a new one, as README says
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # journeyman, mcp-rl
+    state = Shell(tmp_path_factory.mktemp("reader"), env, {}, [])
+    yield state
+    for server in state.servers:
+        server.kill()
+        server.wait()
+
+
+def _server_started(proc: subprocess.Popen[str], until: str, timeout_s: float) -> list[str]:
+    """The server's stderr lines up to the one starting with `until`."""
+    import selectors
+    import time
+
+    lines: list[str] = []
+    assert proc.stderr is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stderr, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if sel.select(timeout=1.0):
+            line = proc.stderr.readline()
+            lines.append(line.rstrip("\n"))
+            if line.startswith(until):
+                return lines
+    proc.kill()
+    raise AssertionError(f"no line starting {until!r} within {timeout_s:.0f} s:\n" + "\n".join(lines[-40:]))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "command", [c for c in COMMANDS if c.entries()[:1] in ([k] for k in RUN)], ids=lambda c: c.id
+)
+def test_command_runs(command: Command, shell: Shell) -> None:
+    """The command runs as written (RUN says how: sizes made small, a server started and asked)."""
+    import urllib.request
+
+    extra, how = RUN[command.entries()[0]]
+    port = str(_free_port())
+    env = {**shell.env, **dict(command.env)}
+
+    def resolved(arg: str) -> str:
+        for written, actual in shell.port_of.items():
+            arg = arg.replace(f"127.0.0.1:{written}", f"127.0.0.1:{actual}")
+        return re.sub(r"\$(\w+)", lambda m: env[m.group(1)], arg)
+
+    argv = [resolved(a) for a in command.argv] + extra.format(port=port).split()
+    if argv[0] == "curl" and shutil.which("curl") is None:
+        pytest.skip("no curl on this machine")
+    cwd = shell.root / command.cwd
+    if how.startswith("server"):
+        proc = subprocess.Popen(
+            argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        shell.servers.append(proc)
+        if argv[1] == "serve":
+            lines = _server_started(proc, "ready", timeout_s=180)
+            argv_port = command.argv.index("--port") + 1 if "--port" in command.argv else None
+            shell.port_of[command.argv[argv_port] if argv_port else "7800"] = port  # the default port
+            token = next(line.split(": ", 1)[1] for line in lines if line.startswith("token: "))
+            shell.env["JOURNEYMAN_TOKEN"] = token
+        else:
+            lines = _server_started(proc, "journeyman view: http", timeout_s=120)
+            url = lines[-1].split(": ", 1)[1].split()[0]
+            with urllib.request.urlopen(url, timeout=30) as page:
+                assert page.status == 200 and b"<html" in page.read().lower()
+            proc.kill()
+            proc.wait()
+        return
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, f"{' '.join(argv)} (in {cwd}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    if argv[0] == "curl":
+        assert json.loads(done.stdout)["openapi"], done.stdout[:500]
+
+
+# `journeyman ...` and `mcp-rl ...` written inline in the prose: the (sub)command exists and has
+# every --flag the span names (the span may hold placeholders: `<model>`, `...`, `[--step N]`).
+_INLINE_COMMAND = re.compile(r"^(?:\./dev |uv run )?(journeyman|mcp-rl)((?: [a-z][\w-]*)*)(.*)$")
+
+
+def inline_command_problems(doc: Path) -> list[str]:
+    import typer.main
+
+    _, prose = split_markdown(doc.read_text())
+    problems: list[str] = []
+    for span in _INLINE.findall(prose.replace("\n", " ")):
+        m = _INLINE_COMMAND.match(span)
+        if not m:
+            continue
+        command: Any = typer.main.get_command(importlib.import_module(_CLICK_APPS[m.group(1)]).app)
+        for word in m.group(2).split():
+            if not hasattr(command, "commands") or word not in command.commands:
+                break  # an argument: the words after it are too
+            command = command.commands[word]
+        known = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+        for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", m.group(2) + m.group(3)):
+            if flag not in known:
+                problems.append(f"`{span}`: {command.name} has no {flag}")
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_inline_commands_exist(doc: Path) -> None:
+    """`journeyman x --flag` in the prose names a command and flags that exist."""
+    problems = inline_command_problems(doc)
+    assert not problems, f"{doc.relative_to(ROOT)}:\n  " + "\n  ".join(problems)
