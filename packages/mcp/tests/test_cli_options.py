@@ -69,3 +69,28 @@ def test_help_comes_from_the_fields_and_bad_values_name_their_option(captured: l
     assert out.exit_code == 2 and "--group-size" in out.output and not captured, out.output
     out = CliRunner().invoke(cli.app, ["train", "--loss", "gspo", "--", "x"], env=WIDE)  # eps too wide
     assert out.exit_code == 2 and "--eps" in out.output, out.output
+
+
+def test_an_option_after_the_double_dash_is_refused_not_handed_to_the_server(captured: list[Any]) -> None:
+    args = ["scenarios", "--", "python", "my_server.py", "-o", "scenarios.json"]  # README's, before issue 54
+    out = CliRunner().invoke(cli.app, args, prog_name="mcp-rl")
+    first = out.output.splitlines()[0]
+    assert out.exit_code == 2 and not captured and first.startswith("mcp-rl scenarios: "), out.output
+    assert "-o after '--' would go to the server: put mcp-rl's options before '--'" in first
+    out = CliRunner().invoke(cli.app, ["scenarios", "-o", "s.json", "--", "python", "my_server.py"])
+    assert out.exit_code == 0 and len(captured) == 1, out.output  # the README's command now
+    out = CliRunner().invoke(cli.app, ["scenarios", "stdio:python my_server.py -o x"])  # the server's own -o
+    assert out.exit_code == 0 and len(captured) == 2, out.output
+
+
+def test_every_help_shows_whole_option_names_at_80_columns() -> None:
+    import typer
+
+    group = typer.main.get_command(cli.app)
+    for name, command in getattr(group, "commands", {}).items():
+        shown = [o for p in command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")]
+        asked = "--help-all" if "--help-all" in shown else "--help"  # every option, the advanced too
+        out = CliRunner().invoke(cli.app, [name, asked], env={"COLUMNS": "80"})
+        missing = [o for o in shown if o not in out.output]
+        assert out.exit_code == 0 and not missing and "…" not in out.output, (name, missing)
+        assert max(map(len, out.output.splitlines())) <= 80, name

@@ -224,6 +224,7 @@ def test_cli_prints_the_table_and_exits_by_verdict(tmp_path: Path) -> None:
     assert "Memory plan: Qwen2.5-7B-Instruct" in ok.output and "verdict: fits" in ok.output
     (tmp_path / "config.json").write_text(json.dumps(config("Qwen3-32B")))
     args = ["plan", "--model-config", str(tmp_path), "--gpus", "8", "--trainer-ranks", "8"]
+    args += ["--engine", "vllm"]  # the plan's default is LocalBackend's engine, torch
     refused = runner.invoke(app, [*args, "--data-parallel-size", "8"])
     assert refused.exit_code == 1 and "change: together: shard the base across 8 ranks" in refused.output
     fits = runner.invoke(app, [*args, "--shard-base", "--tensor-parallel-size", "8"])

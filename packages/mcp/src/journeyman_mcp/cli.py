@@ -3,7 +3,10 @@
 mcp-rl train http://127.0.0.1:8000/mcp --steps 10
 mcp-rl train -- mcp-server-time --local-timezone UTC
 mcp-rl scenarios stdio:"python examples/mcp_todo_server.py" --num-scenarios 8
+mcp-rl scenarios -o scenarios.json -- python my_server.py
 mcp-rl eval http://127.0.0.1:8000/mcp --step 3
+
+Everything after `--` is the server's command line: mcp-rl's own options go before it.
 """
 
 from __future__ import annotations
@@ -15,17 +18,13 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from journeyman.integrations import Fields, RunLayout, with_fields
+from journeyman.integrations import ADVANCED, App, Fields, RunLayout, with_fields
 
 from .train import McpRlSettings  # the options are its fields (the package imports it anyway)
 
 T = TypeVar("T")
 
-app = typer.Typer(
-    help="MCP·RL: train a model to use any MCP server's tools (scenarios, rollouts, RULER, GRPO).",
-    no_args_is_help=True,
-    add_completion=False,
-)
+app = App(help="MCP·RL: train a model to use any MCP server's tools (scenarios, rollouts, RULER, GRPO).")
 
 Server = Annotated[
     list[str],
@@ -55,31 +54,43 @@ SCENARIO_SETTINGS = Fields(
     McpRlSettings, only=["generator", "generator_model", "num_scenarios", "num_eval", "base_model", "seed"]
 )
 ROLLOUT = Fields.nested(McpRlSettings, "rollout", panel="Episodes (RolloutConfig)")
-TRAIN = Fields.nested(McpRlSettings, "train", panel="Training step (TrainConfig)")
-SFT = Fields.nested(McpRlSettings, "sft", prefix="sft_", panel="SFT warm-up (SFTConfig; with --sft-warmup)")
+TRAIN = Fields.nested(McpRlSettings, "train", panel="Training step (TrainConfig)", advanced=ADVANCED)
+SFT = Fields.nested(
+    McpRlSettings, "sft", prefix="sft_", panel="SFT warm-up (SFTConfig; with --sft-warmup)", advanced=ADVANCED
+)
 
 
 def _settings(
-    server: list[str], tools: str | None, fields: Fields, values: dict[str, Any], **extra: Any
+    ctx: typer.Context,
+    server: list[str],
+    tools: str | None,
+    fields: Fields,
+    values: dict[str, Any],
+    **extra: Any,
 ) -> McpRlSettings:
     from .server import ServerSpec
 
+    _check_server_args(ctx, server)
     picked = [t.strip() for t in tools.split(",") if t.strip()] if tools else []
     return fields.build(values, server=ServerSpec.parse(server), tools=picked, **extra)
 
 
-def _run(coro_fn: Callable[..., Coroutine[Any, Any, T]], *args: object) -> T:
-    """Run, turning the errors a user can fix into one clear line and exit code 1 (no traceback)."""
-    from journeyman import JourneymanError
+def _check_server_args(ctx: typer.Context, server: list[str]) -> None:
+    """Refuse a server command line (after `--`) holding one of this command's options: everything
+    after `--` goes to the server, so `-o x` there would be the server's, not mcp-rl's."""
+    ours = {o for p in ctx.command.params for o in p.opts if o != "--help"}
+    misplaced = [a for a in server[1:] if a.partition("=")[0] in ours]
+    if misplaced:
+        raise typer.BadParameter(
+            f"{' '.join(misplaced)} after '--' would go to the server: put mcp-rl's options before '--' "
+            f'(a server that takes {misplaced[0]} itself: pass it as stdio:"<its command line>")',
+            param_hint="SERVER",
+        )
 
-    try:
-        return asyncio.run(coro_fn(*args))
-    except (JourneymanError, ImportError, FileNotFoundError) as e:
-        typer.secho(f"mcp-rl: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
-    except KeyboardInterrupt:
-        typer.secho("mcp-rl: interrupted", fg=typer.colors.RED, err=True)
-        raise typer.Exit(130) from None
+
+def _run(coro_fn: Callable[..., Coroutine[Any, Any, T]], *args: object) -> T:
+    """Run the command's work (its errors: one line, from `App`)."""
+    return asyncio.run(coro_fn(*args))
 
 
 def _echo(msg: str) -> None:
@@ -89,6 +100,7 @@ def _echo(msg: str) -> None:
 @app.command()
 @with_fields(settings=SETTINGS, rollout=ROLLOUT, train=TRAIN, sft=SFT)
 def train(
+    ctx: typer.Context,
     server: Server,
     tools: Tools = None,
     *,
@@ -103,6 +115,7 @@ def train(
     from .train import train as run_train
 
     s = _settings(
+        ctx,
         server,
         tools,
         SETTINGS,
@@ -122,6 +135,7 @@ def train(
 @app.command()
 @with_fields(settings=SCENARIO_SETTINGS)
 def scenarios(
+    ctx: typer.Context,
     server: Server,
     tools: Tools = None,
     output: Annotated[Path, typer.Option("--output", "-o", help="where to write the scenarios JSON")] = Path(
@@ -134,7 +148,7 @@ def scenarios(
     from .scenarios import ScenarioSet, generate_scenarios, split
     from .train import connect
 
-    s = _settings(server, tools, SCENARIO_SETTINGS, settings, connections=1)
+    s = _settings(ctx, server, tools, SCENARIO_SETTINGS, settings, connections=1)
 
     async def go() -> ScenarioSet:
         import journeyman as jm
@@ -180,6 +194,7 @@ def scenarios(
 @app.command("eval")
 @with_fields(settings=EVAL_SETTINGS, rollout=ROLLOUT)
 def eval_(
+    ctx: typer.Context,
     server: Server,
     step: Annotated[
         int | None, typer.Option(help="checkpoint step to evaluate (0 = base model; default: latest)")
@@ -193,7 +208,7 @@ def eval_(
     win rate against a baseline (the base model by default) by the judge."""
     from .train import eval_step
 
-    s = _settings(server, tools, EVAL_SETTINGS, settings, rollout=ROLLOUT.build(rollout))
+    s = _settings(ctx, server, tools, EVAL_SETTINGS, settings, rollout=ROLLOUT.build(rollout))
     report = _run(eval_step, s, step, _echo)
     typer.echo(report.table())
 

@@ -13,39 +13,47 @@ from typing import Annotated, Any
 import typer
 
 from journeyman.app.langfuse_cli import QUERY as LANGFUSE_QUERY
+from journeyman.app.langfuse_cli import RENAMED as LANGFUSE_RENAMED
 from journeyman.app.langfuse_cli import Host as LangfuseHost
 from journeyman.app.langfuse_cli import PublicKey as LangfusePublicKey
 from journeyman.app.langfuse_cli import SecretKey as LangfuseSecretKey
 from journeyman.app.langfuse_cli import app as langfuse_app
-from journeyman.app.options import Fields, with_fields
+from journeyman.app.options import ADVANCED, App, Fields, with_fields
 from journeyman.backends.memory_plan import PRESETS, Layout, TrainingSetup
 from journeyman.data.config import LoraConfig, ModelConfig, SFTConfig, TrainConfig, TrainerConfig
 from journeyman.data.live_types import LiveConfig, LiveStatus
 from journeyman.data.paths import RunLayout, RunRoot
 
-app = typer.Typer(
-    help="Journeyman: on-the-job reinforcement learning for LLM agents.",
-    no_args_is_help=True,
-    add_completion=False,
-)
+app = App(help="Journeyman: on-the-job reinforcement learning for LLM agents.")
 app.add_typer(langfuse_app, name="langfuse")  # `journeyman langfuse pull|train`
 
 # Options that set a model's fields are derived from them (help, default, type): see app/options.py.
 BASE_MODEL = Fields(ModelConfig, only=["base_model"])
-DEMO_MODEL = Fields(ModelConfig, only=["name"], defaults={"name": "demo"})
+# One word per thing across the command lines: --model names the trained model (as in `mcp-rl` and
+# `langfuse train`), --trainer-ranks the trainer's processes, --backend the URL of `journeyman serve`.
+MODEL_FLAG = {"name": "--model"}
+DEMO_MODEL = Fields(ModelConfig, only=["name"], flags=MODEL_FLAG, defaults={"name": "demo"})
 SFT_MODEL = Fields(
-    ModelConfig, only=["name", "project", "base_model"], defaults={"name": "sft", "project": "cli"}
+    ModelConfig,
+    only=["name", "project", "base_model"],
+    flags=MODEL_FLAG,
+    defaults={"name": "sft", "project": "cli"},
 )
-SFT = Fields(SFTConfig, panel="Fine-tuning (SFTConfig)")
+# `sft --help` shows what a first run sets; --help-all the optimizer's and the memory's knobs
+SFT = Fields(SFTConfig, panel="Fine-tuning (SFTConfig)", advanced=ADVANCED)
 DEMO_TRAIN = Fields(TrainConfig, only=["learning_rate"], defaults={"learning_rate": 2e-4})  # run_demo's rate
-TRAINER = Fields(TrainerConfig, only=["world_size"])
+TRAINER = Fields(TrainerConfig, only=["world_size"], flags={"world_size": "--trainer-ranks"})
 PLAN_SETUP = Fields(TrainingSetup, exclude=["lora"], panel="Training")
 PLAN_LORA = Fields(LoraConfig, only=["r"], prefix="lora_", panel="Training")
-PLAN_LAYOUT = Fields(Layout, exclude=["device", "cpu_kv_cache_gib"], panel="Layout")
+# the engine `register` plans for unless told otherwise: LocalBackend's (and `serve`'s) default
+PLAN_LAYOUT = Fields(
+    Layout, exclude=["device", "cpu_kv_cache_gib"], panel="Layout", defaults={"engine": "torch"}
+)
 # Options no model field holds, written once for the commands that take them.
 _BACKEND = Annotated[
     str | None, typer.Option(help="train on `journeyman serve` at this URL instead of in this process")
 ]
+_RENAMED_MODEL = {"--name": "--model"}  # the old spellings, accepted for one release
 _SERVER_TOKEN = Annotated[
     str | None, typer.Option(help="the server's API token (default: $JOURNEYMAN_TOKEN)")
 ]
@@ -99,12 +107,14 @@ def chat(
     asyncio.run(run())
 
 
-@app.command()
+@app.command(
+    renamed={**_RENAMED_MODEL, "--world-size": "--trainer-ranks", "--prompts-per-step": "--groups-per-step"}
+)
 @with_fields(model=DEMO_MODEL, train=DEMO_TRAIN, trainer=TRAINER)
 def demo(
-    steps: Annotated[int, typer.Option(help="training steps")] = 10,
-    prompts_per_step: Annotated[int, typer.Option(help="scenarios per step")] = 8,
-    group_size: Annotated[int, typer.Option(help="rollouts per scenario (the GRPO group)")] = 4,
+    steps: Annotated[int, typer.Option(help="training steps (1 or more)")] = 10,
+    groups_per_step: Annotated[int, typer.Option(help="scenarios per step, one group each")] = 8,
+    group_size: Annotated[int, typer.Option(help="rollouts per scenario (the GRPO group; 2 or more)")] = 4,
     eval_prompts: Annotated[int, typer.Option(help="held-out prompts evaluated before and after")] = 32,
     path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
     backend: _BACKEND = None,
@@ -124,9 +134,12 @@ def demo(
     world_size = TRAINER.build(trainer).world_size
     from tqdm.auto import tqdm
 
-    from journeyman.app.demo import run_demo
+    from journeyman.app.demo import check_counts, run_demo
     from journeyman.backends.connect import open_backend
 
+    check_counts(
+        steps=steps, group_size=group_size, prompts_per_step=groups_per_step, eval_prompts=eval_prompts
+    )
     bar = tqdm(total=steps, desc="training", unit="step", disable=pipeline)  # the pipeline shows its own
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
@@ -135,13 +148,19 @@ def demo(
         )
         bar.update(1)
 
+    def on_start(step: int) -> None:
+        if step:
+            bar.write(
+                f"{name} has trained {step} steps before: this run goes on from there (--model NAME starts afresh)"
+            )
+
     typer.echo("Task: answer held-out questions briefly and on topic (reward = on-topic x brevity).")
     result = asyncio.run(
         run_demo(
             path=path,
             name=name,
             steps=steps,
-            prompts_per_step=prompts_per_step,
+            prompts_per_step=groups_per_step,
             group_size=group_size,
             learning_rate=learning_rate,
             eval_prompts=eval_prompts,
@@ -149,6 +168,7 @@ def demo(
             backend=open_backend(backend, token=token, path=path) if backend else None,
             world_size=world_size,
             pipeline=pipeline,
+            on_start=on_start,
         )
     )
     bar.close()
@@ -169,7 +189,7 @@ def report(
         Path, typer.Argument(help="a model's run directory (.journeyman/<project>/models/<name>)")
     ],
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="PNG to write (default: <run_dir>/reward.png)")
+        Path | None, typer.Option("--output", "-o", help="PNG to write (default: <run_dir>/<metric>.png)")
     ] = None,
     metric: Annotated[
         str, typer.Option(help="history metric to plot per split, e.g. reward or success (mcp-rl runs)")
@@ -178,16 +198,16 @@ def report(
     """Redraw the reward curve of a run from its history.jsonl."""
     from journeyman.app.plot import plot_history
     from journeyman.backends.store import RunStore
+    from journeyman.errors import InvalidFieldError
 
     if not RunLayout(run_dir).history.exists():
-        typer.echo(
-            f"run_dir={str(run_dir)!r}: no history.jsonl there (is it .journeyman/<project>/models/<name>?)",
-            err=True,
+        raise InvalidFieldError(
+            "run_dir", str(run_dir), "no history.jsonl there (is it .journeyman/<project>/models/<name>?)"
         )
-        raise typer.Exit(2)
     history = RunStore(run_dir).history()
-    png = plot_history(history, output or RunLayout(run_dir).reward_plot, title=run_dir.name, metric=metric)
-    steps = [r["step"] for r in history if "train/reward" in r]
+    default = RunLayout(run_dir).reward_plot.with_name(f"{metric}.png")  # reward.png for reward
+    png = plot_history(history, output or default, title=run_dir.name, metric=metric)
+    steps = [r["step"] for r in history if f"train/{metric}" in r]
     typer.echo(f"{len(steps)} training steps; plot: {png}")
 
 
@@ -226,7 +246,7 @@ def view(
         server.serve_forever()
 
 
-@app.command()
+@app.command(renamed=_RENAMED_MODEL)
 @with_fields(identity=SFT_MODEL, sft=SFT)
 def sft(
     file: Annotated[
@@ -251,17 +271,12 @@ def sft(
     """Supervised fine-tuning of a model's LoRA adapter on trajectories from FILE: one step of its run,
     so `model.train` (RL) continues from it."""
     from journeyman.data.trajectory_file import read_trajectories
-    from journeyman.errors import JourneymanError
 
     # a bad setting or file is one clear line, before any model loads
     config = SFT.build(sft)
     model_config = SFT_MODEL.build(identity)
     name, project, base_model = model_config.name, model_config.project, model_config.base_model
-    try:
-        trajectories = read_trajectories(file, min_reward=min_reward)
-    except (JourneymanError, ValueError) as e:
-        typer.secho(f"journeyman sft: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
+    trajectories = read_trajectories(file, min_reward=min_reward)
     typer.echo(f"read {len(trajectories)} trajectories from {file}", err=True)
 
     async def run() -> None:
@@ -330,14 +345,26 @@ def plan(
             raise typer.BadParameter(str(e), param_hint="'--preset'") from None
     adapter = PLAN_LORA.build(lora, target_modules=lora_target_modules or "all-linear")
     training = PLAN_SETUP.build(setup, lora=adapter)
-    try:
-        result = plan_memory(config, training, PLAN_LAYOUT.build(layout))
-    except InvalidFieldError as e:  # a config the plan cannot read, a module the model lacks
-        typer.secho(f"journeyman plan: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
+    result = plan_memory(config, training, PLAN_LAYOUT.build(layout), flag=_plan_flag)
     typer.echo(result.table())
     if not result.fits:
         raise typer.Exit(1)
+
+
+def _plan_flag(field: str) -> str:
+    """The option of `plan` that sets a TrainingSetup or Layout field: its advice names the flags."""
+    return (PLAN_LAYOUT if field in PLAN_LAYOUT.names() else PLAN_SETUP).flag(field)
+
+
+def _log_to_stderr() -> None:
+    """Journeyman's INFO lines on stderr, with the time (a server's log)."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    logger = logging.getLogger("journeyman")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 @app.command()
@@ -381,6 +408,7 @@ def serve(
     from journeyman.backends.server import serve as run
 
     token = os.environ.get("JOURNEYMAN_TOKEN") or secrets.token_urlsafe(32)
+    _log_to_stderr()  # each register, step, promotion and refusal: one INFO line
     if host not in ("127.0.0.1", "localhost", "::1") and ssl_certfile is None:
         typer.echo(
             f"warning: binding {host} without TLS: API tokens cross the network in the clear; pass "
@@ -407,10 +435,9 @@ def serve(
     )
 
 
-token_app = typer.Typer(
+token_app = App(
     help="Named API tokens of `journeyman serve` (scopes: sample < train < admin); a running server "
-    "sees changes on its next request.",
-    no_args_is_help=True,
+    "sees changes on its next request."
 )
 app.add_typer(token_app, name="token")
 _TOKEN_PATH = Annotated[Path, typer.Option(help="the server's run directory root (its --path)")]
@@ -448,40 +475,38 @@ def token_list(path: _TOKEN_PATH = Path(".journeyman")) -> None:
 
     from journeyman.serving.api_tokens import TokenBook
 
-    for t in TokenBook(RunRoot(path).tokens).tokens():
+    tokens = TokenBook(RunRoot(path).tokens).tokens()
+    if not tokens:
+        typer.echo(f"no API tokens under {path} (`journeyman token add NAME` makes one)", err=True)
+    for t in tokens:
         typer.echo(f"{t.name}\t{t.scope}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(t.created_at))}")
 
 
-live_app = typer.Typer(
-    help="Live training on `journeyman serve` (docs/live.md): start it, see its status, decide by hand.",
-    no_args_is_help=True,
+live_app = App(
+    help="Live training on `journeyman serve` (docs/live.md): start it, see its status, decide by hand."
 )
 app.add_typer(live_app, name="live")
 LIVE = Fields(LiveConfig, exclude=["train", "gate"], panel="Live training (LiveConfig)")
 GATE = Fields.nested(LiveConfig, "gate", prefix="gate_", panel="The gate (GateConfig)")
 LIVE_TRAIN = Fields.nested(LiveConfig, "train", only=["learning_rate"], panel="Training")
 _MODEL = Annotated[str, typer.Argument(help="the served model's name")]
-_SERVER = Annotated[str, typer.Option(help="the URL `journeyman serve` printed")]
+_SERVER = Annotated[str, typer.Option("--backend", help="the URL `journeyman serve` printed")]
+_RENAMED_SERVER = {"--server": "--backend"}  # the old spelling, accepted for one release
 
 
 def _remote_call(server: str, token: str | None, model: str, call: Any) -> Any:
-    """`call(backend, model config)` on the server's model, its errors as one red line."""
+    """`call(backend, model config)` on the server's model (its errors: one line, from `App`)."""
     import journeyman as jm
-    from journeyman.errors import JourneymanError
 
     async def run() -> Any:
         backend = jm.RemoteBackend(server, token=token, progress=False)
         # the model's config as the server serves it: its status and decisions need only the name
         return await call(backend, ModelConfig(name=model, project="live"))
 
-    try:
-        return asyncio.run(run())
-    except JourneymanError as e:
-        typer.secho(f"journeyman live: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
+    return asyncio.run(run())
 
 
-@live_app.command("start")
+@live_app.command("start", renamed=_RENAMED_SERVER)
 @with_fields(live=LIVE, gate=GATE, train=LIVE_TRAIN)
 def live_start(
     model: _MODEL,
@@ -499,7 +524,7 @@ def live_start(
     typer.echo(_status_text(status))
 
 
-@live_app.command("status")
+@live_app.command("status", renamed=_RENAMED_SERVER)
 def live_status(
     model: _MODEL,
     server: _SERVER = "http://127.0.0.1:7800",
@@ -511,7 +536,7 @@ def live_status(
     typer.echo(status.model_dump_json(indent=1) if as_json else _status_text(status))
 
 
-@live_app.command("decide")
+@live_app.command("decide", renamed=_RENAMED_SERVER)
 def live_decide(
     model: _MODEL,
     action: Annotated[str, typer.Argument(help="promote, reject or rollback")],
@@ -529,7 +554,7 @@ def live_decide(
     typer.echo(f"{d.action} step {d.step}: serving step {d.served} ({d.reason})")
 
 
-@live_app.command("langfuse")
+@live_app.command("langfuse", renamed={**_RENAMED_SERVER, **LANGFUSE_RENAMED})
 @with_fields(query=replace(LANGFUSE_QUERY, defaults={"score": None}))
 def live_langfuse(
     model: _MODEL,

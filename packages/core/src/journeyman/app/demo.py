@@ -22,6 +22,7 @@ from journeyman.data.config import DEFAULT_BASE_MODEL, TrainConfig, TrainerConfi
 from journeyman.data.paths import RunLayout
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.engine.vllm_server import VLLMConfig
+from journeyman.errors import InvalidFieldError
 from journeyman.rollout.gather import gather_trajectory_groups
 
 
@@ -83,11 +84,16 @@ async def run_demo(
     backend: Backend | None = None,
     world_size: int = 1,
     pipeline: bool = False,
+    on_start: Callable[[int], None] | None = None,
 ) -> DemoResult:
     """Evaluate, train, evaluate again; on `backend` (e.g. a `RemoteBackend`) when given, else on a
     `LocalBackend` at `path` with `engine` and `world_size` trainer ranks that is closed at the end.
     `pipeline`: train with `PipelineTrainer` (rollouts go on while a step trains) instead of the
-    synchronous loop, on the same scenarios and settings."""
+    synchronous loop, on the same scenarios and settings. `on_start(step)`: the step training starts
+    from (above 0: an earlier run of this name goes on)."""
+    check_counts(
+        steps=steps, group_size=group_size, prompts_per_step=prompts_per_step, eval_prompts=eval_prompts
+    )
     require_backend("journeyman demo (its reward plot)", ("matplotlib",))  # before, not after, training
     own = backend is None
     backend = backend or LocalBackend(path=path, engine=engine, trainer=TrainerConfig(world_size=world_size))
@@ -98,6 +104,8 @@ async def run_demo(
         before, val_groups = await evaluate(model, eval_prompts, max_tokens)
         await _log_eval(model, val_groups, before)
         start = await model.get_step()
+        if on_start is not None:
+            on_start(start)
         train = tasks.scenarios("train", prompts_per_step * (start + steps), seed=1)
         config = TrainConfig(learning_rate=learning_rate)
         if pipeline:
@@ -130,6 +138,18 @@ async def run_demo(
     finally:
         if own:
             backend.close()
+
+
+def check_counts(**counts: int) -> None:
+    """Refuse, before anything loads, the counts a demo cannot learn with."""
+    least = {"steps": 1, "group_size": 2, "prompts_per_step": 1, "eval_prompts": 1}
+    why = {
+        "steps": "the demo trains 1 step or more (0 would only evaluate the run as it is)",
+        "group_size": "GRPO learns from how the rollouts of one scenario differ, so it needs 2 or more",
+    }
+    for name, n in counts.items():
+        if n < least[name]:
+            raise InvalidFieldError(name, n, why.get(name, f"use {least[name]} or more"))
 
 
 async def _pipelined(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from journeyman.app.options import Fields, with_fields
+from journeyman.app.options import ADVANCED, App, Fields, with_fields
 from journeyman.data.config import ModelConfig, TrainConfig
 from journeyman.integrations.langfuse._query import ReviewQuery
 
@@ -23,24 +23,20 @@ if TYPE_CHECKING:
     from journeyman.data.types import TrajectoryGroup
     from journeyman.integrations.langfuse import ReviewSet
 
-app = typer.Typer(
-    name="langfuse",
-    help="Langfuse trace review: pull traces people scored, and train on them.",
-    no_args_is_help=True,
-    add_completion=False,
-)
+app = App(name="langfuse", help="Langfuse trace review: pull traces people scored, and train on them.")
 
 _DATE_FORMATS = ["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M:%S%z"]
 # every filter of ReviewQuery but a mapping (categorical rewards: Python only)
 QUERY = Fields(
     ReviewQuery,
     exclude={"categories"},
-    flags={"tags": "--tag", "score_source": "--source"},
+    flags={"tags": "--tag", "score_source": "--source", "name": "--trace-name"},
     panel="Which traces (ReviewQuery)",
     extra={"since": {"formats": _DATE_FORMATS}, "until": {"formats": _DATE_FORMATS}},
 )
-TRAIN = Fields(TrainConfig, panel="Training step (TrainConfig)")
-# the model trained; `--model` names it (ReviewQuery's --name filters traces)
+# `train --help` shows the step's main settings; --help-all the optimizer's and the memory's knobs
+TRAIN = Fields(TrainConfig, panel="Training step (TrainConfig)", advanced=ADVANCED)
+# the model trained; `--model` names it (ReviewQuery's --trace-name filters traces)
 MODEL = Fields(
     ModelConfig,
     only=["name", "project", "base_model"],
@@ -49,11 +45,28 @@ MODEL = Fields(
     defaults={"name": "reviewed", "project": "langfuse"},
 )
 
-PublicKey = Annotated[str | None, typer.Option(envvar="LANGFUSE_PUBLIC_KEY", help="Langfuse public key")]
-SecretKey = Annotated[
-    str | None, typer.Option(envvar="LANGFUSE_SECRET_KEY", help="Langfuse secret key", show_default=False)
+# --langfuse-*: `serve --host` is an address to bind, not the Langfuse URL
+PublicKey = Annotated[
+    str | None,
+    typer.Option("--langfuse-public-key", envvar="LANGFUSE_PUBLIC_KEY", help="Langfuse public key"),
 ]
-Host = Annotated[str | None, typer.Option(envvar=["LANGFUSE_BASE_URL", "LANGFUSE_HOST"], help="Langfuse URL")]
+SecretKey = Annotated[
+    str | None,
+    typer.Option(
+        "--langfuse-secret-key", envvar="LANGFUSE_SECRET_KEY", help="Langfuse secret key", show_default=False
+    ),
+]
+Host = Annotated[
+    str | None,
+    typer.Option("--langfuse-host", envvar=["LANGFUSE_BASE_URL", "LANGFUSE_HOST"], help="Langfuse URL"),
+]
+# the old spellings, accepted for one release
+RENAMED = {
+    "--host": "--langfuse-host",
+    "--public-key": "--langfuse-public-key",
+    "--secret-key": "--langfuse-secret-key",
+    "--name": "--trace-name",
+}
 
 
 def _fetch(
@@ -84,7 +97,7 @@ def _print_summary(review: ReviewSet) -> None:
         )
 
 
-@app.command()
+@app.command(renamed=RENAMED)
 @with_fields(query=QUERY)
 def pull(
     output: Annotated[
@@ -107,7 +120,7 @@ def pull(
     typer.echo(f"wrote {output}")
 
 
-@app.command()
+@app.command(renamed=RENAMED)
 @with_fields(model=MODEL, query=replace(QUERY, defaults={"score": None}), train=TRAIN)
 def train(
     path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),

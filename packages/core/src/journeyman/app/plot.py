@@ -6,13 +6,19 @@ from pathlib import Path
 from typing import Any
 
 from journeyman._extras import require_backend
+from journeyman.errors import InvalidFieldError
 
 
 def plot_history(
     history: list[dict[str, Any]], out: Path, title: str = "reward", metric: str = "reward"
 ) -> Path:
     """`train/<metric>` per step and `<split>/<metric>` of each held-out split, with `<split>/<metric>_sem`
-    error bars where recorded."""
+    error bars where recorded. A metric no row holds is refused, naming those that rows hold."""
+    recorded = sorted({k.split("/", 1)[1] for r in history for k in r if "/" in k and not k.endswith("_sem")})
+    if metric not in recorded:
+        raise InvalidFieldError(
+            "metric", metric, f"no row of the history has it; recorded: {', '.join(recorded)}"
+        )
     require_backend("plotting a run", ("matplotlib",))
     import matplotlib
 

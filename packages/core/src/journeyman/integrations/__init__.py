@@ -14,8 +14,9 @@ What is here:
 - the chat-message helpers (`message_of_choice`, `assistant_key`, ...);
 - the "local | URL | LiteLLM id" model spec and its clients, for judges, generators and baselines
   (`resolve_llm`, `complete_json`, `chat_client`, ...);
-- where a run's files live (`RunLayout`), and command-line options derived from a pydantic model's
-  fields (`Fields`, `with_fields`; loaded on first use);
+- where a run's files live (`RunLayout`), and the command lines' parts: options derived from a
+  pydantic model's fields (`Fields`, `with_fields`, `ADVANCED`) and the app (`App`: one-line
+  errors, `--debug`, whole option names in help); loaded on first use;
 - loaded on first use, so that `import journeyman.integrations` stays light (no torch, fastapi or
   matplotlib): `plot_history` (matplotlib), the Langfuse export (`journeyman[langfuse]`) and the
   built-in demo task (`tasks`).
@@ -44,7 +45,7 @@ from journeyman.rollout.histories import CallHistory
 
 if TYPE_CHECKING:
     from journeyman.app import tasks
-    from journeyman.app.options import Fields, with_fields
+    from journeyman.app.options import ADVANCED, App, Fields, with_fields
     from journeyman.app.plot import plot_history
     from journeyman.integrations.langfuse import TRACE_ID_KEY, export_to_langfuse, fetch_review_set
 
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
 _LAZY: dict[str, tuple[str, str | None]] = {
     "plot_history": ("journeyman.app.plot", "plot_history"),
     "tasks": ("journeyman.app.tasks", None),
+    "ADVANCED": ("journeyman.app.options", "ADVANCED"),
+    "App": ("journeyman.app.options", "App"),
     "Fields": ("journeyman.app.options", "Fields"),
     "with_fields": ("journeyman.app.options", "with_fields"),
     "TRACE_ID_KEY": ("journeyman.integrations.langfuse", "TRACE_ID_KEY"),
@@ -69,10 +72,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ADVANCED",
     "CLIENT_TIMEOUT_S",
     "DEFAULT_TIMEOUT_S",
     "LLM",
     "TRACE_ID_KEY",
+    "App",
     "CallHistory",
     "CaptureSource",
     "Episode",
