@@ -61,6 +61,8 @@ export interface TrainConfig {
   learning_rate?: number;
   loss?: string;
   kl_coef?: number;
+  /** A step with no learning signal: "skip" (the result says so and why) or "error". */
+  on_no_signal?: "skip" | "error";
   [key: string]: unknown;
 }
 
@@ -73,7 +75,10 @@ export interface SFTConfig {
 export interface TrainResult {
   step: number;
   metrics: Record<string, number>;
+  /** No group carried a learning signal: nothing trained, `step` unchanged. */
   skipped: boolean;
+  /** Why the step was skipped, and what to change (null when it trained). */
+  skip_reason?: string | null;
 }
 
 /** One run of an agent: its conversation (messages and recorded choices), tools, reward. */

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -34,7 +35,12 @@ class UnknownModelError(JourneymanError, LookupError):
 
 
 class BaseModelNotFoundError(JourneymanError, FileNotFoundError):
-    """`base_model` is neither the embedded model, a local directory, nor reachable on a hub."""
+    """`base_model` is neither the embedded model, a local model directory, nor a hub id the hub
+    provides. Like InvalidFieldError, it names the field (`.field`), the value and what would do."""
+
+    def __init__(self, value: str, reason: str) -> None:
+        self.field, self.value, self.reason = "base_model", value, reason
+        super().__init__(f"base_model={value!r}: {reason}")
 
 
 class ChatTemplateError(JourneymanError, ValueError):
@@ -98,16 +104,42 @@ class EmptyGroupError(InvalidFieldError):
 
 
 class TooManyExceptionsError(JourneymanError, RuntimeError):
-    """More rollouts failed than `max_exceptions` allows. The groups gathered so far are kept on `.groups`."""
+    """More rollouts failed than `max_exceptions` allows. The message names the first failure and where
+    it was raised; every failure is on `.exceptions` (the first is also `__cause__`, so a traceback
+    shows its own), the groups gathered so far on `.groups`."""
 
-    def __init__(self, failed: int, total: int, limit: float, groups: list[Any]) -> None:
+    def __init__(
+        self,
+        failed: int,
+        total: int,
+        limit: float,
+        groups: list[Any],
+        exceptions: Sequence[BaseException] = (),
+    ) -> None:
         self.failed = failed
         self.total = total
         self.groups = groups
+        self.exceptions = list(exceptions)
+        first = ""
+        if self.exceptions:
+            e = self.exceptions[0]
+            first = f"; the first: {type(e).__name__}: {e}{_raised_at(e)}"
+            self.__cause__ = e
         super().__init__(
-            f"max_exceptions={limit!r}: {failed} of {total} rollouts raised; "
-            f"the {len(groups)} groups finished so far are on this error's .groups"
+            f"max_exceptions={limit!r}: {failed} of {total} rollouts raised{first} "
+            f"(all on this error's .exceptions; the {len(groups)} groups finished so far on .groups)"
         )
+
+
+def _raised_at(e: BaseException) -> str:
+    """` (at file:line in function)`: the innermost frame of `e`'s traceback, or "" without one."""
+    tb = e.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f" (at {code.co_filename}:{tb.tb_lineno} in {code.co_name})"
 
 
 class RolloutDroppedError(JourneymanError):
@@ -120,6 +152,11 @@ class RolloutDroppedError(JourneymanError):
     def __init__(self, error: BaseException) -> None:
         self.error = error
         super().__init__(f"on_error='drop': the run raised {type(error).__name__}: {error}")
+
+
+class NoLearningSignalError(InvalidFieldError):
+    """A training step had nothing to learn from and `TrainConfig.on_no_signal="error"` refused it
+    (`.value`: each group's rewards; `.reason`: why, and what to change)."""
 
 
 class NoTrainableTokensError(InvalidFieldError):
@@ -185,6 +222,7 @@ __all__ = [
     "ImpossiblePlanError",
     "InvalidFieldError",
     "JourneymanError",
+    "NoLearningSignalError",
     "NoTrainableTokensError",
     "ProtocolMismatchError",
     "RemoteError",

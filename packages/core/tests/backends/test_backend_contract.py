@@ -173,3 +173,20 @@ async def test_a_bad_value_is_an_invalid_field_error_naming_the_field(
     with pytest.raises(jm.InvalidFieldError) as e:
         await call(run.model, run.groups)
     assert e.value.field == field
+
+
+async def test_a_step_with_nothing_to_learn_says_why_or_is_refused(run: Run) -> None:
+    assert run.response is not None
+    flat = [  # both samples equally good: GRPO has no difference to learn from
+        jm.TrajectoryGroup(
+            jm.Trajectory(messages_and_choices=[*PROMPT, c], reward=1.0) for c in run.response.choices
+        )
+    ]
+    step = await run.model.get_step()
+    skipped = await run.model.train(flat)
+    assert skipped.skipped and skipped.step == step and skipped.skip_reason is not None
+    assert skipped.skip_reason.startswith("in each of the 1 groups the rewards are all equal")
+    with pytest.raises(jm.NoLearningSignalError) as e:
+        await run.model.train(flat, config=jm.TrainConfig(on_no_signal="error"))
+    assert e.value.field == "groups" and "on_no_signal='error'" in str(e.value)
+    assert await run.model.get_step() == step

@@ -198,7 +198,20 @@ async def lifecycle(tmp_path_factory: pytest.TempPathFactory) -> _Lifecycle:
     for g in flat:
         for t in g.trajectories:
             t.reward = 0.5
-    seen["skipped"] = await model.train(flat)
+    logged: list[logging.LogRecord] = []
+    skip_log = logging.Handler(logging.WARNING)
+    skip_log.emit = logged.append  # type: ignore[method-assign]
+    logging.getLogger("journeyman").addHandler(skip_log)
+    try:
+        seen["skipped"] = await model.train(flat)
+    finally:
+        logging.getLogger("journeyman").removeHandler(skip_log)
+    seen["skip_logged"] = [r.getMessage() for r in logged if "skipped" in r.getMessage()]
+    try:
+        await model.train(flat, config=jm.TrainConfig(on_no_signal="error"))
+    except jm.NoLearningSignalError as e:
+        life.errors["no_signal"] = e
+    seen["step_after_no_signal"] = await model.get_step()
 
     groups = await _groups(model)
     force_signal(groups)
@@ -294,6 +307,14 @@ def test_groups_without_reward_spread_are_skipped(lifecycle: _Lifecycle) -> None
     skipped = lifecycle.seen["skipped"]
     assert isinstance(skipped, jm.TrainResult)
     assert skipped.skipped and skipped.step == 0 and skipped.metrics["groups_zero_signal"] == 2
+    # the result says why, and so does the log, in the same words
+    assert skipped.skip_reason is not None and "rewards are all equal" in skipped.skip_reason
+    assert lifecycle.seen["skip_logged"] == [f"step 0 skipped: {skipped.skip_reason}"]
+    # on_no_signal="error" refuses the same groups by name, with their rewards; no step is made
+    refused = lifecycle.errors["no_signal"]
+    assert isinstance(refused, jm.NoLearningSignalError) and refused.field == "groups"
+    assert refused.value == [[0.5] * 4, [0.5] * 4] and "on_no_signal='error'" in str(refused)
+    assert lifecycle.seen["step_after_no_signal"] == 0
 
 
 def test_a_step_changes_the_adapter_with_the_engines_own_logprobs(lifecycle: _Lifecycle) -> None:
@@ -360,8 +381,9 @@ def test_a_truncated_checkpoint_is_named_and_the_resume_falls_back(lifecycle: _L
 def test_steps_lost_to_a_fallback_move_aside_with_their_history(lifecycle: _Lifecycle) -> None:
     names = lifecycle.seen["trajectory_files"]
     assert isinstance(names, list)
-    assert names[:3] == ["0000.jsonl", "0001.superseded.jsonl", "0002.superseded.jsonl"], names
-    assert len(names) == 4 and names[3].startswith("0003.failed-")  # the step the full disk cut off
+    assert names[0].startswith("0000.failed-")  # the groups on_no_signal="error" refused
+    assert names[1:4] == ["0000.jsonl", "0001.superseded.jsonl", "0002.superseded.jsonl"], names
+    assert len(names) == 5 and names[4].startswith("0003.failed-")  # the step the full disk cut off
     # the history rows of the lost steps 1 and 2 moved aside with their groups; step 1's eval stays
     assert lifecycle.seen["history_after_fallback"] == [("train", 0), ("train", 0), ("val", 1)]
     assert lifecycle.seen["superseded"] == [("train", 1), ("train", 2)]

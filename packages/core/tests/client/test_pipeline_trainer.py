@@ -52,6 +52,20 @@ async def two_turns(model: jm.TrainableModel, topic: str) -> jm.Trajectory:
     )
 
 
+async def test_too_many_exceptions_carry_what_the_rollouts_raised(scripted: Any, tmp_path: Path) -> None:
+    model, _ = scripted
+
+    async def rollout(model: jm.TrainableModel, scenario: int) -> jm.Trajectory:
+        raise RuntimeError(f"tool server down ({scenario})")
+
+    config = jm.PipelineConfig(group_size=2, groups_per_step=1, journal=tmp_path, progress=False)
+    with pytest.raises(jm.TooManyExceptionsError) as e:
+        await jm.PipelineTrainer(model, rollout, range(100), config).train(1)
+    raised = e.value.exceptions
+    assert len(raised) >= 2 and all(isinstance(x, RuntimeError) for x in raised)
+    assert e.value.__cause__ is raised[0] and f"the first: RuntimeError: {raised[0]} (at " in str(e.value)
+
+
 @pytest.fixture(scope="module")
 async def local(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[jm.TrainableModel]:
     backend = jm.LocalBackend(path=tmp_path_factory.mktemp("pipeline-runs"))

@@ -25,7 +25,7 @@ from journeyman.data.config import SFTConfig, TrainConfig, TrainResult, check_na
 from journeyman.data.provenance import staleness_metrics
 from journeyman.data.trajectory_file import check_trajectories
 from journeyman.data.types import History, Trajectory, TrajectoryGroup
-from journeyman.errors import CheckpointError, InvalidFieldError
+from journeyman.errors import CheckpointError, InvalidFieldError, NoLearningSignalError
 from journeyman.rollout.observe import GroupContext, emit
 
 log = logging.getLogger("journeyman")
@@ -83,6 +83,7 @@ class GRPOUpdate:
     split: ClassVar[str] = "train"  # where the step's groups and history row go
     groups: list[TrajectoryGroup]
     config: TrainConfig
+    skip_reason: str | None = None  # set by `run` when nothing was learned
 
     @classmethod
     def prepare(
@@ -107,20 +108,45 @@ class GRPOUpdate:
         updated, metrics = await s.engine.call(update)
         metrics.update(staleness_metrics(self.groups, step))
         if not updated:
-            log.warning(
-                "step %d skipped: none of the %d groups has rewards that differ (nothing to learn from)",
-                step,
-                len(self.groups),
-            )
+            self.skip_reason = no_signal_reason(self.groups, metrics, self.config)
+            if self.config.on_no_signal == "error":
+                raise NoLearningSignalError(
+                    "groups",
+                    [g.rewards() for g in self.groups],
+                    f"{self.skip_reason} (TrainConfig.on_no_signal='error' refuses such a step; 'skip' goes on)",
+                )
+            log.warning("step %d skipped: %s", step, self.skip_reason)
         return updated, metrics
 
     async def settle(self, s: ServedModel, metrics: dict[str, float]) -> dict[str, float]:
         return {**metrics, **s.endpoint.stats()}
 
 
+def no_signal_reason(
+    groups: Sequence[TrajectoryGroup], metrics: Mapping[str, float], config: TrainConfig
+) -> str:
+    """Why a GRPO step had nothing to learn from (the trainer's metrics say which groups it dropped),
+    and what would give it something: one line for the result, the log and the error."""
+    n, zero = len(groups), int(metrics.get("groups_zero_signal", 0))
+    if zero < n:
+        return f"the {n - zero} of {n} groups whose rewards differ have no sampled tokens to train"
+    if config.advantages == "given":
+        return f"every reward of the {n} groups is 0 (advantages='given': a reward is its advantage)"
+    equal = (
+        f"span less than min_reward_spread={config.min_reward_spread:g}"
+        if config.min_reward_spread > 0
+        else "are all equal (or it has one rollout)"
+    )
+    return (
+        f"in each of the {n} groups the rewards {equal}: GRPO learns from differences within a group; "
+        "give partial credit, vary the scenarios' difficulty, or roll out more per group"
+    )
+
+
 @dataclass
 class SFTUpdate:
     split: ClassVar[str] = "sft"
+    skip_reason: ClassVar[None] = None  # an SFT step always trains
     groups: list[TrajectoryGroup]
     config: SFTConfig
     rows: list[Any]  # `sft_rows`: tokenised before the step began
@@ -215,7 +241,9 @@ async def run_step(
                     return await checkpoint(
                         s, attempt, metrics, update.groups, idempotency_key, trained_by, parent
                     )
-                result = TrainResult(step=attempt.step, metrics=metrics, skipped=True)  # nothing learned
+                result = TrainResult(  # nothing learned
+                    step=attempt.step, metrics=metrics, skipped=True, skip_reason=update.skip_reason
+                )
                 commit(s, attempt.step, attempt, idempotency_key, result)
                 row = {"step": attempt.step, "split": update.split, "skipped": True}
                 s.record(_by({**row, **_prefixed(update.split, metrics)}, trained_by), update.groups)

@@ -111,6 +111,10 @@ class TrainableModel(ModelConfig):
     ) -> TrainResult:
         """One GRPO-family step on `groups`; afterwards the endpoint serves the new step.
 
+        Groups whose rewards are all equal teach nothing: with none that differs, the step is skipped
+        (`result.skipped`, `result.skip_reason` says why, and the log), or with
+        `TrainConfig(on_no_signal="error")` refused with `NoLearningSignalError`.
+
         `idempotency_key`: retrying a call with the same key never trains twice (a remote backend
         makes one up per call when none is given)."""
         return await self.backend.train(self, groups, config, idempotency_key=idempotency_key)

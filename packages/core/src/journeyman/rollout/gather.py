@@ -27,7 +27,8 @@ async def gather_trajectory_groups(
 
     `max_exceptions`: how many rollouts may raise (an int count, or a fraction in (0, 1) of all
     rollouts) before this raises `TooManyExceptionsError`. That error is raised only after every
-    rollout has finished and carries the finished groups, so nothing gathered is lost. Exceptions
+    rollout has finished and carries the finished groups, so nothing gathered is lost, and what each
+    failed rollout raised (`.exceptions`; its message names the first, and where). Exceptions
     below the limit stay on each group's `exceptions`. A run that raised but was kept by its
     integration (`on_error="score"`, see `journeyman.data.failures`) is a trajectory with `error` set:
     counted as `errored` on the progress bar, never against `max_exceptions`, and trained; one
@@ -75,5 +76,6 @@ async def gather_trajectory_groups(
     kept = [g for g in done if g.trajectories]
     emit(kept, GroupContext(source="gather"))
     if counts["exception"] > limit:
-        raise TooManyExceptionsError(counts["exception"], total, max_exceptions, kept)
+        raised = [r.exception for g in done for r in g.exceptions if r.exception is not None]
+        raise TooManyExceptionsError(counts["exception"], total, max_exceptions, kept, raised)
     return kept
