@@ -101,6 +101,13 @@ EXTERNAL: dict[tuple[str, str], str] = {
         "a `journeyman serve` server on 127.0.0.1:7800 and its $JOURNEYMAN_TOKEN"
         " (RemoteBackend itself: packages/core/tests/backends/test_server.py)"
     ),
+    ("docs/gpu.md", 'base_model="/models/Qwen2.5-7B-Instruct", max_tokens=256'): (
+        "a `journeyman serve` on a GPU box with Qwen2.5-7B on its disk"
+    ),
+    (
+        "docs/gpu.md",
+        'jm.VLLMConfig(python="/root/vllm/bin/python"',
+    ): "a GPU, vLLM in /root/vllm and Qwen2.5-7B on disk",
     ("docs/live.md", 'jm.RemoteBackend("http://gpu-box:7800")'): (
         "a `journeyman serve` server at gpu-box:7800 (live training itself: packages/core/tests/backends/test_live_training.py)"
     ),
@@ -683,6 +690,8 @@ def shell_commands(doc: Path) -> list[Command]:
                 ]:  # `./dev demo` runs `journeyman demo`, `./dev test` pytest, `./dev X` X
                     known = {"demo": ["journeyman", "demo"], "test": ["pytest"]}
                     part = [*known[part[1]], *part[2:]] if part[1] in known else part[1:]
+                if part and os.path.basename(part[0]) in ("journeyman", "mcp-rl"):  # ~/venv/bin/journeyman
+                    part = [os.path.basename(part[0]), *part[1:]]
                 if part[:1] == ["cd"]:
                     cwd = os.path.normpath(os.path.join(cwd, part[1]))
                     continue
@@ -697,6 +706,12 @@ COMMANDS = [c for doc in DOCS for c in shell_commands(doc)]
 # (flags appended: the last one wins). command -> (extra arguments, how it is run).
 RUN: dict[tuple[str, str], tuple[str, str]] = {
     ("docs/scale.md", "journeyman plan --preset qwen2.5-7b-instruct"): ("", "exit 0"),
+    ("docs/gpu.md", "journeyman plan --preset qwen2.5-7b-instruct"): ("", "exit 0"),
+    ("docs/gpu.md", "journeyman plan --preset qwen3-32b --lora-r 16"): (
+        "",
+        "exit 1: it does not fit, and says what to change",
+    ),
+    ("docs/gpu.md", "journeyman plan --preset qwen3-32b --gpus 8"): ("", "exit 0"),
     ("README.md", "journeyman serve --host 127.0.0.1 --port 7800 --path ./runs"): (
         "--port {port}",
         "server: prints its URL and an API token, then the commands below use it",
@@ -773,6 +788,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/live.md", "--max-minutes 17"): "17 minutes (a measured run)",
     ("docs/live.md", "--name live-long"): "35 minutes (a measured run)",
     ("docs/live.md", "--name live-best"): "35 minutes (a measured run)",
+    ("docs/gpu.md", "python3 -m venv"): "GPU box: the environment the next command installs into",
+    ("docs/gpu.md", "install 'journeyman[backend]' vllm"): "GPU: installs vLLM's CUDA build from PyPI",
+    ("docs/gpu.md", "serve --engine vllm"): "GPU: vLLM on CUDA (vLLM's CPU build: test_vllm.py)",
     ("docs/scale.md", "./dev journeyman demo"): "GPU: the demo on one GPU (README's `./dev demo` runs here)",
     (
         "docs/scale.md",
@@ -983,7 +1001,10 @@ def test_command_runs(command: Command, shell: Shell) -> None:
             proc.wait()
         return
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, f"{' '.join(argv)} (in {cwd}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    expected = 1 if how.startswith("exit 1") else 0
+    assert done.returncode == expected, (
+        f"{' '.join(argv)} (in {cwd}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
     if argv[0] == "curl":
         assert json.loads(done.stdout)["openapi"], done.stdout[:500]
 
