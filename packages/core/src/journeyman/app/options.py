@@ -360,9 +360,8 @@ def _user_error(e: Exception, root: Any, argv: list[str], prog: str) -> tuple[st
     if isinstance(e, TyperException) and hasattr(e, "format_message"):  # a usage error: click's
         ctx = getattr(e, "ctx", None)
         where = ctx.command_path if ctx is not None else path
-        return f"{where}: {_one_line(e.format_message())}  (`{where} --help` lists the options)", getattr(
-            e, "exit_code", 2
-        )
+        hint = f"(`{where} --help` says what it takes)"
+        return f"{where}: {_one_line(e.format_message())}  {hint}", getattr(e, "exit_code", 2)
     if isinstance(e, InvalidFieldError):  # names the field, the value and the fix
         return f"{path}: {_one_line(str(e))}", 2
     if isinstance(e, JourneymanError | OSError) or (isinstance(e, ImportError) and "pip install" in str(e)):
