@@ -751,6 +751,14 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("packages/mcp/README.md", "mcp-rl eval --scenarios-file"): "the step-10 checkpoint of the run above",
     ("packages/mcp/README.md", "pip install journeyman-mcp"): "installs from PyPI",
     (
+        "packages/core/README.md",
+        "pip install 'journeyman[backend]'",
+    ): "installs from PyPI (CI installs the workspace)",
+    (
+        "packages/core/README.md",
+        "pip install journeyman",
+    ): "installs from PyPI (tests/test_light_client.py: the light install)",
+    (
         "packages/mcp/README.md",
         "mcp-rl train http://127.0.0.1:8000/mcp",
     ): "an MCP server on port 8000 (yours)",
