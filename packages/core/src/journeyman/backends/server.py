@@ -356,6 +356,7 @@ _ERRORS = {
     "403": "the token's scope does not allow this route",
     "404": "the model the path or body names is not registered",
     "413": "the body is over the server's limit",
+    "503": "the server is draining after SIGTERM (`Retry-After`: when to call again), or an engine is down",
 }
 
 
