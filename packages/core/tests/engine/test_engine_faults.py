@@ -273,3 +273,88 @@ async def test_restarts_are_bounded(policy: Any, prompt: list[int]) -> None:
         assert engine.restarts == 2
     finally:
         _close(engine)
+
+
+async def _cancel_once_sampling(engine: TorchEngine, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Start a request, cancel it (its caller leaves) once it has sampled a few tokens; returns the
+    tokens it was told of, a list that grows for as long as the engine decodes it."""
+    told: list[int] = []
+    task = asyncio.ensure_future(engine.generate(prompt, params, lambda _, t: told.append(t)))
+    await wait_until(lambda: len(told) >= 3, 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return told
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("base", [False, True], ids=["batched", "aside"])
+async def test_a_request_whose_caller_left_stops_at_the_next_step(
+    policy: Any, prompt: list[int], base: bool
+) -> None:
+    """A request cancelled mid-decode (its client disconnected) leaves at the next decode step, on
+    the batch and on the one-row path of the base model alike: no token is sampled for it after
+    that, and torch work handed to the engine (a training step) runs at once instead of waiting for
+    `max_tokens` more tokens nobody reads. Before, both decoded on to `max_tokens`."""
+    engine = _engine(policy)
+    try:
+        told = await _cancel_once_sampling(engine, prompt, SamplingParams(max_tokens=1500, base=base))
+        t0 = time.monotonic()
+        assert await engine.call(time.monotonic) - t0 < 5.0  # ~1500 tokens were ~30 s here
+        settled = len(told)
+        await asyncio.sleep(0.3)
+        assert len(told) == settled < 100, len(told)
+        assert engine.scheduler.cancelled == 1 and not engine.runner.busy
+        [after] = await engine.generate(prompt, SamplingParams(max_tokens=3, seed=1))
+        assert len(after.token_ids) == 3  # the engine serves on
+    finally:
+        _close(engine)
+
+
+@pytest.mark.integration
+async def test_a_row_dropped_from_a_running_batch_leaves_the_others_exact(
+    policy: Any, prompt: list[int]
+) -> None:
+    """Rows of requests that stay sample the tokens they get alone when a request between them is
+    cancelled mid-batch (its row leaves a gap the others close: their logits move with them)."""
+    engine = _engine(policy)
+    keep = [SamplingParams(max_tokens=6, seed=i) for i in range(2)]
+    try:
+        alone = [await engine.generate(prompt, p) for p in keep]
+        first = asyncio.ensure_future(engine.generate(prompt, keep[0]))
+        told: list[int] = []
+        middle = asyncio.ensure_future(
+            engine.generate(prompt, SamplingParams(max_tokens=500, seed=5), lambda _, t: told.append(t))
+        )
+        last = asyncio.ensure_future(engine.generate(prompt, keep[1]))
+        await wait_until(lambda: len(told) >= 2, 30)
+        middle.cancel()
+        results = await asyncio.gather(first, last)
+        assert _ids(list(results)) == _ids(alone)
+        assert engine.scheduler.cancelled == 1
+    finally:
+        _close(engine)
+
+
+@pytest.mark.integration
+async def test_the_served_step_takes_turns_with_requests_for_the_base(policy: Any, prompt: list[int]) -> None:
+    """Three clients asking the base model back to back do not hold the served step: its request,
+    sent after theirs began, runs after at most one of theirs, not after all of them (before, every
+    queued base request ran first: 130 of them in 90 s and none of the served step's)."""
+    engine = _engine(policy)
+    done: list[str] = []
+
+    async def base_client(k: int) -> None:
+        for _ in range(2):
+            await engine.generate(prompt, SamplingParams(max_tokens=4, seed=k, base=True))
+            done.append("base")
+
+    try:
+        clients = [asyncio.ensure_future(base_client(k)) for k in range(3)]
+        await wait_until(lambda: len(done) >= 1, 30)
+        await engine.generate(prompt, SamplingParams(max_tokens=4, seed=9))
+        done.append("served")
+        await asyncio.gather(*clients)
+        assert done.index("served") <= 3, done  # the base request running, at most one more
+    finally:
+        _close(engine)

@@ -211,8 +211,10 @@ class BatchRunner(Generic[RequestT]):
                     added.append(row)
         self.slots.add(added)
 
+    @torch.inference_mode()
     def drop(self, jobs: list[RequestT]) -> None:
-        """Take `jobs`' rows out (their admission or prefill failed); the others stay as they are."""
+        """Take `jobs`' rows out (their admission or prefill failed, or their callers left), ready or
+        not; the others stay as they are."""
         self.slots.drop(jobs)
 
     @torch.inference_mode()

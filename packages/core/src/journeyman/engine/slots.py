@@ -133,3 +133,5 @@ class RowSlots(Generic[RequestT]):
             self.pool.copy(src, dst, self.rows[src].length)
             rows.append(self.rows[src])
         self.rows, self.ready = rows, len(ready)
+        if self.logits is not None and len(ready) < self.logits.shape[0]:  # a ready row dropped (`drop`)
+            self.logits = self.logits[ready] if ready else None

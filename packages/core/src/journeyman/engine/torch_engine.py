@@ -16,6 +16,7 @@ computes). It samples with the adapter merged into the base weights
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +26,7 @@ import torch
 from journeyman.engine.base import Engine, FinishReason, OnToken, Sample, SamplingParams, T
 from journeyman.engine.batch import BatchRunner, RunnerConfig
 from journeyman.engine.sampler import generator, sample
-from journeyman.engine.scheduler import Scheduler, SchedulerConfig
+from journeyman.engine.scheduler import Gone, Scheduler, SchedulerConfig
 from journeyman.policy.lora import LoraPolicy
 
 __all__ = ["TorchEngine"]
@@ -70,7 +71,10 @@ class TorchEngine(Engine):
         if params.base or params.adapter is not None:
             if params.constraint is not None:  # compiled off the worker, as below
                 await asyncio.to_thread(self.runner.compile, params.constraint)
-            return await self.scheduler.call(self._sample_alone, prompt_ids, params, on_token)
+            queue = "base" if params.base else str(params.adapter)  # each step's requests in turn
+            return await self.scheduler.aside(
+                queue, functools.partial(self._sample_alone, prompt_ids, params, on_token)
+            )
         constraint = params.constraint
         if constraint is not None:
             # Compile here, off the worker: a bad schema fails this request alone (InvalidFieldError,
@@ -79,13 +83,14 @@ class TorchEngine(Engine):
         return await self.scheduler.submit(prompt_ids, params, on_token)
 
     def _sample_alone(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None, gone: Gone
     ) -> list[Sample]:
         """Samples of the base model (the adapter switched off) or of another step's adapter (swapped
         in for this call, the served one put back after it). The batch runner's weights have the
         served adapter merged in, so these rows cannot join its batches: they run one at a time
-        between two batches, with the plain model and its own KV cache (slower; for a validator, a
-        comparison rollout, live training's canary)."""
+        between two batches, in turn with them (`Scheduler.aside`), with the plain model and its own
+        KV cache (slower; for a validator, a comparison rollout, live training's canary). When
+        `gone()` (the caller left) it stops at the next token."""
         policy, tok = self.policy, self.tokenizer
         out: list[Sample] = []
         weights = policy.base_only() if params.base else policy.swapped(Path(str(params.adapter)))
@@ -102,6 +107,8 @@ class TorchEngine(Engine):
                 text: str | None = None
                 matcher = self.runner.matcher(params.constraint)  # a grammar, as a batch row has
                 while len(ids) < params.max_tokens:
+                    if gone():
+                        return out  # nobody reads it: the future is cancelled
                     logits = step.logits[:, -1].float()
                     draw = sample(
                         logits,
@@ -194,4 +201,8 @@ class TorchEngine(Engine):
     def counters(self) -> dict[str, int]:
         """Running counts of prefill and KV reuse (`BatchRunner.counters`): the step metrics report
         their change over each rollout phase."""
-        return {**self.runner.counters(), "requests_served": self.scheduler.served}
+        return {
+            **self.runner.counters(),
+            "requests_served": self.scheduler.served,
+            "requests_cancelled": self.scheduler.cancelled,
+        }
