@@ -19,6 +19,7 @@ from _support import (
     few_shot,
     streamed_chat,
     tool_round_trip,
+    wait_until,
     weather_tools,
 )
 from journeyman.training.rows import trajectory_rows
@@ -796,3 +797,79 @@ async def test_a_responses_stream_sends_text_as_it_is_sampled(served) -> None:
     assert completed is not None and "".join(deltas) == completed.output_text == whole.output_text
     done = kinds.index("response.output_text.done")
     assert kinds[done - 1] == "response.output_text.delta"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_request_whose_client_left_is_cancelled_and_its_capture_marked(
+    scripted, stream: bool
+) -> None:
+    """A client that disconnects while its completion is sampled (here before any text) cancels
+    it: the capture is no longer in flight (live training does not wait for it), nothing is filed
+    under it, and it is marked cancelled. Before, the call ran on to its end and was filed then, an
+    orphan beside the outcome posted meanwhile."""
+    model, backend = scripted
+    engine, endpoint = backend.engine(model), backend.endpoint(model)
+    engine.delay_s = 60.0  # a completion that would take a minute
+    cid = f"left-{stream}"
+    before = endpoint.cancelled
+    body = {"model": model.name, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    async with httpx.AsyncClient(
+        base_url=model.inference_base_url,
+        timeout=1.0,  # the client gives up and closes its connection
+        headers={"authorization": f"Bearer {model.inference_api_key}", "x-journeyman-capture": cid},
+    ) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/chat/completions", json=body)
+    await wait_until(lambda: endpoint.cancelled == before + 1, 10)
+    assert not endpoint.captures.in_flight(cid)
+    assert endpoint.captures.was_cancelled(cid)
+    assert endpoint.captures.pop(cid) == []
+
+
+async def test_a_stream_cut_mid_text_stops_the_engine_at_the_next_step(served) -> None:
+    """A stream whose client closes it after the first text stops decoding on the in-process engine
+    (its row leaves the batch) instead of sampling on to `max_tokens` for nobody."""
+    model, backend = served
+    engine = backend.service(model).engine
+    before = engine.scheduler.cancelled
+    long = {
+        "model": model.name,
+        "messages": [{"role": "user", "content": "Tell me a very long story about a dog."}],
+        "max_tokens": 2000,
+        "stream": True,
+    }
+    async with _http(model) as http, http.stream("POST", "/chat/completions", json=long) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if '"content"' in line:
+                break  # text arrived: the client leaves
+    await wait_until(lambda: engine.scheduler.cancelled == before + 1, 10)
+    await wait_until(lambda: not engine.runner.busy, 5)
+
+
+async def test_too_many_or_too_large_tools_are_a_400_naming_tools(scripted) -> None:
+    """More than MAX_TOOLS tools (on the Messages route, checked off the event loop) or more than
+    MAX_TOOLS_BYTES of them (on the chat route) is a 400 naming `tools`, before any tool is checked
+    one by one: 300,000 tools (16 MB) held every route of the server for 11.6 s."""
+    from journeyman.serving.openai_http import MAX_TOOLS, MAX_TOOLS_BYTES
+
+    model, _ = scripted
+    schema = {"type": "object"}
+    many = [{"name": f"t{i}", "input_schema": schema} for i in range(MAX_TOOLS + 1)]
+    hi = [{"role": "user", "content": "hi"}]
+    big = [
+        {"type": "function", "function": {"name": f"f{i}", "description": "x" * (MAX_TOOLS_BYTES // 3)}}
+        for i in range(4)
+    ]
+    async with _http(model) as http:
+        refused = await http.post(
+            "/messages", json={"model": model.name, "max_tokens": 4, "messages": hi, "tools": many}
+        )
+        assert refused.status_code == 400, refused.text[:300]
+        message = refused.json()["error"]["message"]
+        assert message == f"tools='{MAX_TOOLS + 1} tools': at most {MAX_TOOLS} tools are taken", message
+        too_big = await http.post(
+            "/chat/completions", json={"model": model.name, "messages": hi, "tools": big}
+        )
+        assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "tools", too_big.text[:300]
+        assert f"at most {MAX_TOOLS_BYTES} bytes" in too_big.text

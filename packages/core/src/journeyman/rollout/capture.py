@@ -47,6 +47,7 @@ class Captures:
         self._calls: OrderedDict[str, tuple[float, list[CapturedCall]]] = OrderedDict()  # oldest first
         self._dropped_ids: OrderedDict[str, None] = OrderedDict()
         self._in_flight: dict[str, int] = {}  # requests being answered, by capture id
+        self._cancelled_ids: OrderedDict[str, None] = OrderedDict()  # the latest `max_ids`, see `cancel`
         self._lock = threading.Lock()
         self._max = max_ids
         self.max_age_s = max_age_s
@@ -96,6 +97,18 @@ class Captures:
         """Whether a request under `capture_id` is being answered now (its call is filed when it ends)."""
         with self._lock:
             return capture_id in self._in_flight
+
+    def cancel(self, capture_id: str) -> None:
+        """A request under `capture_id` was cancelled (its client left): nothing of it is filed, and
+        `was_cancelled` tells an outcome that came for it why it finds no call."""
+        with self._lock:
+            self._cancelled_ids[capture_id] = None
+            while len(self._cancelled_ids) > self._max:
+                self._cancelled_ids.popitem(last=False)
+
+    def was_cancelled(self, capture_id: str) -> bool:
+        with self._lock:
+            return capture_id in self._cancelled_ids
 
     def pop(self, capture_id: str) -> list[CapturedCall]:
         with self._lock:

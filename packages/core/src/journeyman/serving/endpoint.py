@@ -40,6 +40,7 @@ from journeyman.serving.openai_http import (
     Tool,
     ToolChoice,
     ToolChoiceMode,
+    Tools,
     chat_completion_body,
     handle_json,
     invalid_field,
@@ -79,7 +80,7 @@ class ChatCompletionRequest(BaseModel):
 
     model: str
     messages: list[Any]  # checked by `normalize_messages`
-    tools: list[Tool] | None = None
+    tools: Tools[Tool] | None = None
     n: int = Field(default=1, ge=1, le=128)
     temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
@@ -313,6 +314,7 @@ class Endpoint:
         self.side_steps: dict[int, Path] = {}
         self.route: Callable[[str | None], int | None] | None = None
         self.completions = 0
+        self.cancelled = 0  # requests whose client left before their answer
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journeyman-prepare")
         self._stream_tokenizer: Any = None  # made on the first streamed request
 
@@ -325,6 +327,7 @@ class Endpoint:
         """What the endpoint holds in memory and what its bounds dropped (train metrics `endpoint_*`)."""
         return {
             "endpoint_completions": self.completions,
+            "endpoint_cancelled": self.cancelled,
             "endpoint_captures_held": len(self.captures),
             "endpoint_captures_dropped": self.captures.dropped,
             "endpoint_turn_cache_tokens": self.sampled.tokens,
@@ -341,7 +344,13 @@ class Endpoint:
         """Serve one chat completion; `response_id` names the Responses API call it answers, if any;
         `on_text(choice, delta)` is told of the content as it is sampled (`streaming`)."""
         with self.captures.answering(capture_id):  # live training waits for it before an episode trains
-            return await self._chat_completion(body, capture_id, response_id, on_text)
+            try:
+                return await self._chat_completion(body, capture_id, response_id, on_text)
+            except asyncio.CancelledError:  # the client left (`until_disconnect`): the engine stopped it
+                self.cancelled += 1
+                if capture_id:
+                    self.captures.cancel(capture_id)
+                raise
 
     async def _chat_completion(
         self,

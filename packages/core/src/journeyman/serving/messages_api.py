@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from journeyman.errors import InvalidFieldError
-from journeyman.serving.openai_http import JsonSchema, ToolName, invalid_field
+from journeyman.serving.openai_http import JsonSchema, ToolName, Tools, invalid_field
 from journeyman.serving.streaming import Streams, add_translated_route, named_event
 
 # Anthropic's error type for each status this route answers
@@ -98,7 +98,7 @@ class MessagesRequest(BaseModel):
     max_tokens: int = Field(ge=1)
     messages: list[Any] = Field(min_length=1)
     system: str | list[Any] | None = None
-    tools: list[CustomTool] | None = None
+    tools: Tools[CustomTool] | None = None
     tool_choice: MessagesToolChoice | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = None

@@ -9,19 +9,21 @@ and checked off the event loop: 200,000 short messages (7 MB) took ~1 s on this 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -42,8 +44,14 @@ MAX_BODY_DEPTH = 100  # JSON nesting of a whole body: a tool schema nested MAX_S
 MAX_SCHEMA_BYTES = 32 * 1024
 MAX_SCHEMA_DEPTH = 64
 MAX_TOOL_NAME_CHARS = 256
+# A request's tools, all rendered into its prompt: 300,000 of them (16 MB) took 11 s to check, and
+# every route of the server waited meanwhile. OpenAI takes 128; a forced call chooses among 512
+# (`engine.base.MAX_SHAPES`).
+MAX_TOOLS = 512
+MAX_TOOLS_BYTES = 2**20  # the JSON of all a request's tools: 512 tools of 2 KB each fit
 _INLINE_PARSE_BYTES = 64 * 1024  # smaller bodies parse on the loop: a thread hop costs more than they do
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")  # how JSON spells a UTF-16 surrogate
+T = TypeVar("T")
 
 
 def chat_completion_body(
@@ -84,6 +92,25 @@ def _tool_name(name: str) -> str:
         raise ValueError(f"must be 1 to {MAX_TOOL_NAME_CHARS} printable characters without spaces")
     return name
 
+
+def _bounded_tools(tools: Any) -> Any:
+    """Refuse more tools than MAX_TOOLS or MAX_TOOLS_BYTES of them before any is checked one by one."""
+    if not isinstance(tools, list):
+        return tools  # the list's own check names it
+    if len(tools) > MAX_TOOLS:
+        raise InvalidFieldError("tools", f"{len(tools)} tools", f"at most {MAX_TOOLS} tools are taken")
+    size = len(json.dumps(tools, ensure_ascii=False, default=str))
+    if size > MAX_TOOLS_BYTES:
+        raise InvalidFieldError(
+            "tools",
+            f"{size} bytes of JSON",
+            f"at most {MAX_TOOLS_BYTES} bytes of tools are taken (they are rendered into the prompt)",
+        )
+    return tools
+
+
+Tools = Annotated[list[T], BeforeValidator(_bounded_tools)]
+"""A request's `tools` list, bounded in count (MAX_TOOLS) and size (MAX_TOOLS_BYTES)."""
 
 JsonSchema = Annotated[dict[str, Any], AfterValidator(_compilable_schema)]
 """A JSON schema (an object) small and shallow enough to compile into a grammar in bounded time."""
@@ -283,20 +310,53 @@ ErrorResponse = Callable[[int, str, str | None, str], JSONResponse]
 """(status, message, field, OpenAI error type) -> the error as a route's dialect sends it."""
 
 
+class ClientDisconnected(Exception):
+    """The client closed its connection before its answer was ready (`until_disconnect`)."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelled as soon as the client disconnects (then ClientDisconnected is raised):
+    uvicorn does not cancel a handler whose client left, and a completion nobody reads kept the
+    engine decoding to `max_tokens` (tens of seconds) while its capture stayed in flight."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # cancelled ourselves (a drain at shutdown): the work goes too
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # its cleanup (the capture no longer in flight) done before the route returns
+    raise ClientDisconnected
+
+
 async def handle_json(
     request: Request,
     handle: Callable[[dict[str, Any], str | None], Awaitable[Any]],
     *,
     error: ErrorResponse = error_response,
 ) -> Any:
-    """Parse a JSON-object body, run `handle(body, capture_id)`, map our errors to 404/400 (503:
-    engine down, 504: engine timeout), shaped by `error` (OpenAI's by default)."""
+    """Parse a JSON-object body, run `handle(body, capture_id)` (cancelled if the client leaves),
+    map our errors to 404/400 (503: engine down, 504: engine timeout), shaped by `error` (OpenAI's
+    by default)."""
     try:
         raw = await request.body()
         body = (
             parse_body(raw) if len(raw) <= _INLINE_PARSE_BYTES else await asyncio.to_thread(parse_body, raw)
         )
-        return await handle(body, request.headers.get(CAPTURE_HEADER))
+        return await until_disconnect(request, handle(body, request.headers.get(CAPTURE_HEADER)))
+    except ClientDisconnected:  # nobody reads this answer; the status is for the server's log
+        return error(499, "the client disconnected before its answer was ready", None, "client_disconnected")
     except UnknownModelError as e:
         return error(404, str(e), "model", "model_not_found")
     except InvalidFieldError as e:

@@ -35,6 +35,7 @@ from journeyman.serving.openai_http import (
     RequiredForJsonSchema,
     ToolChoiceMode,
     ToolName,
+    Tools,
     invalid_field,
     string_or_object,
 )
@@ -114,7 +115,7 @@ class ResponsesRequest(BaseModel):
         ),
     ]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: Tools[FunctionTool] | None = None
     tool_choice: ResponsesToolChoice | None = None
     text: TextConfig | None = None
     max_output_tokens: int | None = None

@@ -158,28 +158,35 @@ async def stream_events(
     queue: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
     task = asyncio.ensure_future(complete(lambda i, d: queue.put_nowait((i, d))))
     task.add_done_callback(lambda _: queue.put_nowait(None))
-    first = await queue.get()
+    try:
+        first = await queue.get()
+    except asyncio.CancelledError:  # the client left before any text (`until_disconnect`)
+        task.cancel()
+        raise
     if first is None:
         return StreamingResponse(_lines(events.whole(await task)), media_type=EVENTS)
 
     async def lines() -> AsyncIterator[str]:
         sent: dict[int, str] = {}
         item = first
-        while item is not None:
-            i, delta = item
-            if i not in sent:
-                for line in events.opened(i):
-                    yield line
-            sent[i] = sent.get(i, "") + delta
-            yield events.delta(i, delta)
-            item = await queue.get()
         try:
-            completion = await task
-        except Exception as e:  # after text was sent: the stream ends with the error
-            yield events.error(e)
-            return
-        for line in events.ending(completion, sent):
-            yield line
+            while item is not None:
+                i, delta = item
+                if i not in sent:
+                    for line in events.opened(i):
+                        yield line
+                sent[i] = sent.get(i, "") + delta
+                yield events.delta(i, delta)
+                item = await queue.get()
+            try:
+                completion = await task
+            except Exception as e:  # after text was sent: the stream ends with the error
+                yield events.error(e)
+                return
+            for line in events.ending(completion, sent):
+                yield line
+        finally:  # the client disconnected mid-stream (Starlette cancels the stream): nobody reads on
+            task.cancel()
 
     return StreamingResponse(lines(), media_type=EVENTS)
 
@@ -217,7 +224,8 @@ def add_translated_route(
     capture filing) for every API, streamed or not. Errors are shaped by `error`."""
 
     async def handle(body: dict[str, Any], capture_id: str | None) -> Any:
-        call = translate(body)
+        # off the event loop: a large request (tools, messages) takes a while to check and translate
+        call = await asyncio.to_thread(translate, body)
 
         async def complete(on_text: OnText | None = None) -> dict[str, Any]:
             try:
