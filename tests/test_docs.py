@@ -507,6 +507,7 @@ _INLINE = re.compile(r"`([^`\n]+)`")
 _DOTTED = re.compile(r"(?<![\w./-])(jm|journeyman)((?:\.[A-Za-z_]\w*)+)")
 _FROM_IMPORT = re.compile(r"\bfrom\s+(journeyman[\w.]*)\s+import\s+([\w\s,]+)")
 _REPO_PATH = re.compile(r"(?<![\w./-])((?:examples|bench|docs|packages|tests)/[\w./-]*\w)")
+_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 # a test file named alone (`test_store.py`): some test file of the repository has that name
 _TEST_FILE = re.compile(r"(?<![\w./-])(test_\w+\.py)")
 TEST_FILES = {p.name for p in (*ROOT.glob("tests/**/test_*.py"), *ROOT.glob("packages/*/tests/**/test_*.py"))}
@@ -543,6 +544,9 @@ def prose_problems(doc: Path) -> list[str]:
     for path in sorted(set(_REPO_PATH.findall(text))):
         if not (ROOT / path).exists():
             problems.append(f"{path}: no such file or directory")
+    for link in sorted(set(_LINK.findall(prose))):  # [text](relative/path), from the file's folder
+        if not re.match(r"[a-z]+:", link) and not (doc.parent / link).exists():
+            problems.append(f"]({link}): no such file or directory")
     for name in sorted(set(_TEST_FILE.findall(prose)) - TEST_FILES):
         problems.append(f"{name}: no test file of that name (moved, renamed?)")
     return problems
