@@ -340,8 +340,9 @@ async def test_a_row_dropped_from_a_running_batch_leaves_the_others_exact(
 async def test_the_served_step_takes_turns_with_requests_for_the_base(policy: Any, prompt: list[int]) -> None:
     """Three clients asking the base model back to back do not hold the served step: its request,
     sent after theirs began, runs after at most one of theirs, not after all of them (before, every
-    queued base request ran first: 130 of them in 90 s and none of the served step's)."""
-    engine = _engine(policy)
+    queued base request ran first: 130 of them in 90 s and none of the served step's); so does one
+    asking more rows than a batch holds (its turn starts a batch of its own)."""
+    engine = _engine(policy, max_batch_rows=2)
     done: list[str] = []
 
     async def base_client(k: int) -> None:
@@ -352,8 +353,9 @@ async def test_the_served_step_takes_turns_with_requests_for_the_base(policy: An
     try:
         clients = [asyncio.ensure_future(base_client(k)) for k in range(3)]
         await wait_until(lambda: len(done) >= 1, 30)
-        await engine.generate(prompt, SamplingParams(max_tokens=4, seed=9))
+        served = await engine.generate(prompt, SamplingParams(max_tokens=4, seed=9, n=3))
         done.append("served")
+        assert len(served) == 3
         await asyncio.gather(*clients)
         assert done.index("served") <= 3, done  # the base request running, at most one more
     finally:

@@ -242,7 +242,7 @@ class Scheduler:
                         continue
                     # the served step's turn: its batch, gathered as usual; with an aside waiting,
                     # only what is queued now (nothing: the aside's turn again)
-                    jobs = self._take(carry, cfg.max_batch_rows, wait=not self._asides)
+                    jobs = self._take(carry, cfg.max_batch_rows, wait=not self._asides, joining=False)
                     if jobs is None:
                         self._fail_queued(carry)
                         return
@@ -257,7 +257,7 @@ class Scheduler:
                     # training step waits for the weights (or a call or an aside waits): the rows
                     # drain and the step (or the aside, in its turn) gets them.
                     room = cfg.max_batch_rows - runner.row_count
-                    jobs = self._take(carry, room, wait=False) if room > 0 else []
+                    jobs = self._take(carry, room, wait=False, joining=True) if room > 0 else []
                     if jobs:
                         self._admit(jobs)
                 if runner.filling:
@@ -299,17 +299,25 @@ class Scheduler:
             self.cancelled += 1
 
     def _drop_gone(self) -> None:
-        """Take the rows of requests whose callers gave up out of the batch, before the next step."""
-        gone = [j for j in self._running if j.future.cancelled()]
+        """Take the rows of requests whose callers gave up out of the batch, before the next step;
+        once the engine is closed, every row, failed with EngineDownError: a closing program (its
+        end, Ctrl-C) must not wait for them, nor leave this thread in torch as the interpreter exits."""
+        closed = self._down
+        gone = [j for j in self._running if closed is not None or j.future.cancelled()]
         if gone:
             self.runner.drop(gone)
-            self._running = [j for j in self._running if not j.future.cancelled()]
-            self.cancelled += len(gone)
+            self._running = [j for j in self._running if j not in gone]
+            for j in gone:
+                if j.future.cancelled():
+                    self.cancelled += 1
+                elif closed is not None:
+                    hand_over(j.loop, j.future, error=EngineDownError(closed))
 
-    def _take(self, carry: list[_Job], room: int, wait: bool) -> list[_Job] | None:
+    def _take(self, carry: list[_Job], room: int, wait: bool, joining: bool) -> list[_Job] | None:
         """Jobs for up to `room` rows: with `wait`, block for the first, then gather what arrives
         until a `batch_wait_s` gap (at most `batch_wait_max_s` in all); without, only what is
-        queued now. None: the engine is closing. A pending call (`call`) ends the take with no
+        queued now; `joining` running rows, only what fits `room` (a new batch's first job always
+        does). None: the engine is closing. A pending call (`call`) ends the take with no
         jobs: it runs before the next batch, and the jobs gathered so far wait in `carry`; so does
         an aside that comes while a blocking take has none yet."""
         jobs: list[_Job] = []
@@ -342,7 +350,7 @@ class Scheduler:
                 self.cancelled += 1
                 continue
             # The first job of a new batch always fits; running rows take only what fits.
-            if (jobs or not wait) and rows + job.params.n > room:
+            if (jobs or joining) and rows + job.params.n > room:
                 carry.insert(0, job)
                 return jobs
             now = time.monotonic()
