@@ -9,8 +9,12 @@ The tests each check one promise of that run, so a failure names the promise bro
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import journeyman as jm
@@ -190,3 +194,50 @@ async def test_a_step_with_nothing_to_learn_says_why_or_is_refused(run: Run) -> 
         await run.model.train(flat, config=jm.TrainConfig(on_no_signal="error"))
     assert e.value.field == "groups" and "on_no_signal='error'" in str(e.value)
     assert await run.model.get_step() == step
+
+
+_UNCLOSED = """
+import asyncio, sys
+import journeyman as jm
+
+async def main() -> None:
+    backend = jm.LocalBackend(path=sys.argv[1])  # never closed
+    model = jm.TrainableModel(name="unclosed", project="exit")
+    await model.register(backend)
+    ask = [{"role": "user", "content": "Tell a long story."}]
+    stream = await model.openai_client().chat.completions.create(
+        model=model.name, messages=ask, max_tokens=1000, temperature=1.0, stream=True
+    )
+    async for _ in stream:  # the engine is decoding now, with ~1,000 tokens to go
+        print("decoding", flush=True)
+        if sys.argv[2] == "raise":
+            raise RuntimeError("the program failed")
+        await asyncio.sleep(600)  # until Ctrl-C
+
+asyncio.run(main())
+"""
+
+
+def test_a_program_that_never_closes_its_backend_exits_cleanly(tmp_path: Path) -> None:
+    """However it ends (an exception, Ctrl-C) with the engine mid-request and the backend never
+    closed, the process exits with its own status: no native abort ("terminate called without an
+    active exception", status 134) from the engine's thread still in torch as the interpreter exits."""
+    script = tmp_path / "unclosed.py"
+    script.write_text(_UNCLOSED)
+    procs = {
+        how: subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / how), how],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for how in ("raise", "interrupt")
+    }
+    interrupted = procs["interrupt"]
+    assert interrupted.stdout is not None and interrupted.stdout.readline() == "decoding\n"
+    interrupted.send_signal(signal.SIGINT)
+    ends = {how: p.communicate(timeout=300) for how, p in procs.items()}
+    for how, (_, err) in ends.items():
+        assert "terminate called" not in err, (how, err[-2000:])
+    assert procs["raise"].returncode == 1 and "RuntimeError: the program failed" in ends["raise"][1]
+    assert interrupted.returncode == -signal.SIGINT and "KeyboardInterrupt" in ends["interrupt"][1]
