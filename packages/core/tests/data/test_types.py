@@ -75,7 +75,7 @@ async def test_gather_keeps_finished_groups_when_too_many_rollouts_fail() -> Non
     assert [x.message for x in kept[1].exceptions] == ["tool server died", "tool server died"]
     # the cause is shown and reachable: the first failure by name and place, all of them as raised
     assert [repr(x) for x in e.value.exceptions] == [repr(RuntimeError("tool server died"))] * 2
-    assert e.value.__cause__ is e.value.exceptions[0] and e.value.__cause__.__traceback__ is not None
+    assert e.value.__cause__ is e.value.exceptions[0] and e.value.exceptions[0].__traceback__ is not None
     assert f"the first: RuntimeError: tool server died (at {__file__}:" in str(e.value)
 
     seen: list[int] = []
