@@ -33,6 +33,9 @@ SERVING = [
     "engine/grammar.py",
     "chat/messages.py",
     "backends/server.py",
+    "backends/live_training.py",
+    "data/live_types.py",
+    "rollout/capture.py",
     "app/view/api.py",
 ]
 BOUND_NAME = re.compile(r"(MAX|MIN)_\w+|[A-Z]\w*_(S|BYTES|CHARS|DEPTH|LIMIT|TOKENS)")  # private names skipped
@@ -41,6 +44,7 @@ NOT_A_BOUND = {
     "MAX_TOKEN_ID",  # the viewer shows a larger id as no token: a display rule
     "OFF_LOOP_BYTES",  # bodies past it are parsed on a worker thread: how, not whether
     "PREVIEW_CHARS",  # the viewer's list shows this much of a message: a display rule
+    "TICK_S",  # how often the live loop looks for work: how, not whether
 }
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Pow: operator.pow}
 

@@ -159,6 +159,13 @@ class NoLearningSignalError(InvalidFieldError):
     (`.value`: each group's rewards; `.reason`: why, and what to change)."""
 
 
+class IdempotencyKeyReusedError(InvalidFieldError):
+    """A training call's idempotency key already names another call to the same model and operation
+    (another body): refused before anything is written or trained. A key names one call; a new call
+    needs a new key. `journeyman serve` answers it with 409 (or, found in the run directory after the
+    call was forgotten, as the train stream's error event)."""
+
+
 class NoTrainableTokensError(InvalidFieldError):
     """A trajectory has no sampled assistant tokens to train on."""
 
@@ -219,6 +226,7 @@ __all__ = [
     "EmptyGroupError",
     "EngineDownError",
     "EngineTimeoutError",
+    "IdempotencyKeyReusedError",
     "ImpossiblePlanError",
     "InvalidFieldError",
     "JourneymanError",

@@ -10,6 +10,8 @@ so the rewards are the test's own."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 import random
 import secrets
 import subprocess
@@ -24,6 +26,7 @@ import journeyman as jm
 import pytest
 from _support import langfuse_receiver, tiny_model_dir, wait_until
 from journeyman.backends.server import ServerProcess
+from journeyman.data.live_types import EpisodeOutcome
 from journeyman.rollout.baseline import RunningBaseline, advantages
 
 pytestmark = pytest.mark.integration
@@ -471,3 +474,188 @@ async def test_langfuse_scores_become_the_outcomes_of_their_episodes(
     (t,) = run.waiting[ids[0]][0].trajectories
     assert t.reward == 0.9 and t.metrics["langfuse/human"] == 0.9
     assert ids[2] not in run.waiting
+
+
+# -- hostile outcomes (issue 53) ----------------------------------------------------------------------
+
+
+async def test_an_outcome_is_checked_whole_and_takes_only_its_tokens_calls(
+    live: tuple[jm.TrainableModel, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through `journeyman serve`'s app (Guard, tokens): an outcome past a bound (a NaN or infinite
+    metric, a reward of 1e308, too many metrics, a long name or group key) is a 400 naming the field
+    and the bound, and a journal that cannot be written fails the outcome; neither takes the episode's
+    calls nor moves the baseline, so the clean retry is accepted with them. Another `sample` token
+    neither pops nor scores the calls: its own requests under the same id are its own episode."""
+    from journeyman.backends.server import create_app
+    from journeyman.client.wire import PREFIX
+    from journeyman.serving.api_tokens import TokenBook
+    from journeyman.serving.guard import Guard
+
+    model, backend = live
+    await model.live(QUICK.model_copy(update={"episodes_per_step": 100, "settle_s": 600.0}))
+    run = backend.service(model).live
+    book = TokenBook(tmp_path / "tokens.json")
+    secrets_of = {name: book.add(name, "sample") for name in ("alice", "mallory")}
+    app = Guard(create_app(backend, book), book, 2**20)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+
+        async def post(who: str, path: str, **kwargs: Any) -> httpx.Response:
+            headers = {"authorization": f"Bearer {secrets_of[who]}", **kwargs.pop("headers", {})}
+            return await http.post(path, headers=headers, **kwargs)
+
+        ask = {"model": model.name, "messages": [{"role": "user", "content": "Add milk."}], "max_tokens": 4}
+        r = await post("alice", "/v1/chat/completions", json=ask, headers={"x-journeyman-capture": "ep-h"})
+        assert r.status_code == 200, r.text
+        outcome = f"{PREFIX}/models/{model.name}/outcome"
+        r = await post("mallory", f"{PREFIX}/models/{model.name}/captures", json={"capture_ids": ["ep-h"]})
+        assert r.json() == {"ep-h": []}
+        r = await post("mallory", outcome, json={"episode_id": "ep-h", "reward": 1.0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "episode_id"
+
+        baseline = copy.deepcopy(run.baseline)
+        raw = {"content-type": "application/json"}
+        refused = [
+            ('{"episode_id": "ep-h", "reward": 0.5, "metrics": {"m": NaN}}', "metrics.m", "MAX_OUTCOME_METRIC"),
+            ('{"episode_id": "ep-h", "reward": 0.5, "metrics": {"m": Infinity}}', "metrics.m", "MAX_OUTCOME_METRIC"),
+            ('{"episode_id": "ep-h", "reward": 1e308}', "reward", "MAX_OUTCOME_REWARD"),
+            (json.dumps({"episode_id": "ep-h", "reward": 0.5, "metrics": {f"m{i}": 1 for i in range(65)}}), "metrics", "MAX_OUTCOME_METRICS"),
+            (json.dumps({"episode_id": "ep-h", "reward": 0.5, "metrics": {"m" * 129: 1}}), "metrics", "MAX_METRIC_NAME_CHARS"),
+            (json.dumps({"episode_id": "ep-h", "reward": 0.5, "group": "g" * 257}), "group", "MAX_OUTCOME_GROUP_CHARS"),
+        ]  # fmt: skip
+        for body, field, bound in refused:
+            r = await post("alice", outcome, content=body, headers=raw)
+            error = r.json()["error"]
+            assert (r.status_code, error["param"]) == (400, field) and bound in error["reason"], r.text
+        with monkeypatch.context() as m:
+            m.setattr(run.journal, "add", lambda *_: (_ for _ in ()).throw(OSError(28, "No space left")))
+            with pytest.raises(OSError):  # ASGITransport raises what a server answers with a 500
+                await post("alice", outcome, json={"episode_id": "ep-h", "reward": 0.5})
+        assert vars(run.baseline) == vars(baseline) and len(run.s.captures.peek("alice/ep-h")) == 1
+
+        r = await post("alice", outcome, json={"episode_id": "ep-h", "reward": 0.5, "metrics": {"m": 1}})
+        assert r.status_code == 200 and (r.json()["status"], r.json()["calls"]) == ("accepted", 1), r.text
+        baseline.add(None, 0.5)
+        assert vars(run.baseline) == vars(baseline) and not run.s.captures.peek("alice/ep-h")
+        r = await post("mallory", "/v1/chat/completions", json=ask, headers={"x-journeyman-capture": "ep-h"})
+        r = await post("mallory", outcome, json={"episode_id": "ep-h", "reward": 0.0})
+        assert r.json()["status"] == "accepted" and r.json()["calls"] == 1  # her own call, her own episode
+        assert {"alice/ep-h", "mallory/ep-h"} <= set(run.known)
+
+
+def _stub_services(root: Path, train_from: Any, rows: list[dict[str, Any]]) -> Any:
+    """What a LiveRun needs of a served model, without one: captures, a `train_from`, a history."""
+    from journeyman.backends.live_training import LiveServices
+    from journeyman.rollout.capture import Captures
+
+    async def serve(step: int) -> None:
+        pass
+
+    return LiveServices(
+        name="stub",
+        captures=Captures(),
+        side_steps={},
+        set_route=lambda route: None,
+        train_from=train_from,
+        serve=serve,
+        checkpoint_dir=lambda step: root / f"{step:04d}",
+        latest_step=lambda: 0,
+        record=rows.append,
+    )
+
+
+def _served_call() -> jm.CapturedCall:
+    from _support import captured_call
+
+    return captured_call(
+        [{"role": "user", "content": "hi"}], [1, 2], [3, 4], {"role": "assistant", "content": "x"}, None
+    )
+
+
+async def test_a_batch_that_cannot_train_is_set_aside_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 53: a batch whose step failed (grad_norm=nan) was retried every tick, forever. A failure
+    of the batch's own (a non-finite loss, a refused field) sets it aside after MAX_BATCH_FAILURES
+    calls: a history row with the reason, `set_aside` counted and journaled, never tried again (a
+    restart finds nothing waiting). A failure of the server's (a disk) is tried again, later."""
+    from journeyman.backends import live_training
+    from journeyman.backends.live_training import MAX_BATCH_FAILURES, LiveRun
+
+    monkeypatch.setattr(live_training, "RETRY_S", 0.0)
+    calls: list[str] = []
+    fault: list[Exception] = []
+
+    async def train_from(groups: Any, config: Any, key: str, parent: int) -> jm.TrainResult:
+        calls.append(key)
+        if fault:
+            raise fault[0]
+        return jm.TrainResult(step=parent, skipped=True)
+
+    rows: list[dict[str, Any]] = []
+    config = jm.LiveConfig(episodes_per_step=2, settle_s=0.0, gate=jm.GateConfig(canary_share=0.0))
+    run = LiveRun(tmp_path, _stub_services(tmp_path, train_from, rows), config)
+
+    async def step(episodes: list[tuple[str, float]]) -> None:
+        for eid, reward in episodes:
+            run.s.captures.add(eid, _served_call())
+            run.report(EpisodeOutcome(episode_id=eid, reward=reward))
+        for _ in range(40):
+            await run.tick()
+            if run.busy is not None:
+                await asyncio.wait([run.busy])
+
+    fault[:] = [OSError(28, "No space left on device")]  # the server's: waits, then again
+    await step([("d1", 1.0), ("d2", 0.0)])
+    assert len(calls) > MAX_BATCH_FAILURES and run.counts["set_aside"] == 0 and len(run.waiting) == 2
+    fault.clear()
+    await step([])
+    assert not run.waiting and run.counts["trained"] == 2
+
+    calls.clear()
+    fault[:] = [FloatingPointError("grad_norm=nan: the step was not applied")]  # the batch's own
+    await step([("n1", 1.0), ("n2", 0.0)])
+    assert len(calls) == MAX_BATCH_FAILURES and not run.waiting
+    assert run.counts["set_aside"] == 2 and run.status().counts["set_aside"] == 2
+    assert run.error is not None and "grad_norm=nan" in run.error
+    (row,) = [r for r in rows if r.get("set_aside")]
+    assert row["split"] == "live" and row["set_aside"] == 2 and "grad_norm=nan" in row["reason"]
+    settled = [json.loads(x) for x in (tmp_path / "live" / "settled.jsonl").read_text().splitlines()]
+    assert settled[-1]["how"] == "set_aside" and sorted(settled[-1]["ids"]) == ["n1", "n2"]
+    again = LiveRun(tmp_path, _stub_services(tmp_path, train_from, rows), config)
+    assert not again.waiting and again.sent is None
+
+
+async def test_a_journal_from_before_rewards_were_bounded_resumes_with_a_finite_baseline(
+    tmp_path: Path,
+) -> None:
+    """Issue 53: two outcomes of reward 1e308 made the baseline inf, journaled as null; after a restart
+    every batch failed with a TypeError, forever. Now such a journal resumes with a finite baseline
+    (rewards out of range move nothing) and its episodes are set aside, each with its reason."""
+    from journeyman.backends.live_training import LiveRun
+    from journeyman.data.journal import GroupJournal
+    from journeyman.rollout.histories import join_calls, trajectory_of
+
+    journal = GroupJournal(tmp_path / "live", fsync=True)
+    for eid, reward, baseline in (("h1", 1e308, 0.0), ("h2", 1e308, 1e308), ("ok", 1.0, None)):
+        outcome = {"episode_id": eid, "reward": reward, "metrics": {}, "group": None}
+        meta = {"episode_id": eid, "outcome": outcome, "baseline": baseline}
+        t = trajectory_of(join_calls([_served_call()]), reward=reward, metrics={}, metadata=meta)
+        journal.add(eid, jm.TrajectoryGroup([t]))
+    trained: list[Any] = []
+
+    async def train_from(groups: Any, config: Any, key: str, parent: int) -> jm.TrainResult:
+        trained.append(groups)
+        return jm.TrainResult(step=parent, skipped=True)
+
+    rows: list[dict[str, Any]] = []
+    config = jm.LiveConfig(episodes_per_step=3, settle_s=0.0, gate=jm.GateConfig(canary_share=0.0))
+    run = LiveRun(tmp_path, _stub_services(tmp_path, train_from, rows), config)
+    assert run.baseline.value(None) == 1.0 and run.scored == [(0, 1.0)]
+    await run.tick()
+    if run.busy is not None:
+        await asyncio.wait([run.busy])
+    assert not trained and not run.waiting and run.counts["set_aside"] == 3
+    reasons = sorted(r["reason"] for r in rows)
+    assert "MAX_OUTCOME_REWARD" in reasons[1] and "its baseline None" in reasons[0], reasons
+    assert run.busy is None or run.busy.exception() is None

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import journeyman as jm
 import pytest
-from _support import task_groups
+from _support import task_groups, tiny_model_dir
 from fastapi.routing import APIRoute
 from journeyman.backends.server import ServerProcess, create_app
 from journeyman.client.wire import PREFIX
@@ -121,7 +121,9 @@ async def test_rollouts_captures_and_a_train_step_through_the_server(server: Ser
     per_trajectory = (backend.sent_bytes - before) / sum(len(g.trajectories) for g in groups)
     print(f"train body: {per_trajectory:.0f} compressed bytes per trajectory")
     assert result.step == 1 and not result.skipped and await model.get_step() == 1
-    again = await model.train(groups, idempotency_key="step-one-key")  # a retry: no second step
+    again = await model.train(  # a retry (the same call): no second step
+        groups, config=jm.TrainConfig(learning_rate=1e-3), idempotency_key="step-one-key"
+    )
     assert again == result and await model.get_step() == 1
     await model.log(groups, split="val", metrics={"reward_sem": 0.1})
     history = await model.history()
@@ -135,6 +137,51 @@ async def test_rollouts_captures_and_a_train_step_through_the_server(server: Ser
     )
     assert scored.metadata["ruler"]["judge"] == "local:remote@1"
     assert all(0 <= t.reward <= 1 for t in scored.trajectories)
+
+
+async def test_an_idempotency_key_is_scoped_to_the_model_and_operation(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    """Issue 53: key K trained model ka, then K on kb answered ka's step and trained nothing. Now K
+    names one call of one model and operation: kb trains its own step, ka's train_sft its own; K on
+    ka again with the same call is its result, with another call a 409 (RemoteError) from the server,
+    and, when only the run directory remembers K (a LocalBackend here), IdempotencyKeyReusedError
+    before anything is written."""
+    backend = jm.RemoteBackend(server.url, token=TOKEN, progress=False)
+    ka, kb = (
+        jm.TrainableModel(
+            name=name, project="keys", base_model=str(tiny_model_dir()), lora=jm.LoraConfig(r=4), max_tokens=8
+        )
+        for name in ("ka", "kb")
+    )
+    await ka.register(backend)
+    await kb.register(backend)
+    ga, gb = await task_groups(ka), await task_groups(kb)
+    config = jm.TrainConfig(learning_rate=1e-3)
+    first = await ka.train(ga, config=config, idempotency_key="K")
+    other = await kb.train(gb, config=config, idempotency_key="K")
+    assert (first.step, other.step, await kb.get_step()) == (1, 1, 1) and other.metrics != first.metrics
+    assert await ka.train(ga, config=config, idempotency_key="K") == first
+    with pytest.raises(jm.RemoteError) as e:
+        await ka.train(gb, config=config, idempotency_key="K")
+    assert e.value.type == "idempotency_key_reused" and "another train call to ka" in str(e.value)
+    assert (await ka.train_sft(ga, idempotency_key="K")).step == 2 and await ka.get_step() == 2
+
+    local = jm.LocalBackend(path=tmp_path)  # no job table: the run directory's record answers
+    try:
+        kc = jm.TrainableModel(
+            name="kc", project="keys", base_model=str(tiny_model_dir()), lora=jm.LoraConfig(r=4), max_tokens=8
+        )
+        await kc.register(local)
+        groups = await task_groups(kc)
+        done = await kc.train(groups, config=config, idempotency_key="K")
+        with pytest.raises(jm.IdempotencyKeyReusedError) as refused:
+            await kc.train(groups, config=jm.TrainConfig(learning_rate=1e-4), idempotency_key="K")
+        assert refused.value.field == "idempotency_key" and "made step 1" in refused.value.reason
+        assert await kc.train(groups, config=config, idempotency_key="K") == done
+        assert await kc.get_step() == 1 and not list(kc.run_dir.glob("trajectories/train/*failed*"))
+    finally:
+        local.close()
 
 
 def _train_body(groups: list[jm.TrajectoryGroup], key: str) -> bytes:

@@ -227,3 +227,129 @@ async def test_a_models_own_endpoint_demands_the_backends_key(served: tuple[obje
     with pytest.raises(jm.InvalidFieldError) as e:
         await backend.register(jm.ModelConfig(name=model.name, project="another-project"))
     assert e.value.field == "model.project"
+
+
+class _QuickTrainer:
+    """A `ServedBackend` stand-in whose training calls take a blink (or wait for `gate`): each call
+    makes the next step of the model it names. The server's job table is what is under test."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.steps: dict[str, int] = {}
+        self.calls = 0
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    def registered(self) -> list[str]:
+        return ["ma", "mb"]
+
+    def registered_model(self, name: str) -> jm.ModelConfig:
+        if name not in self.registered():
+            raise jm.UnknownModelError(name, self.registered())
+        return jm.ModelConfig(name=name, project="p")
+
+    def served_names(self) -> list[str]:
+        return self.registered()
+
+    async def train(self, model: jm.ModelConfig, **arguments: list[jm.TrajectoryGroup]) -> jm.TrainResult:
+        self.calls += 1
+        await self.gate.wait()
+        (group, *_) = arguments.get("groups") or arguments["trajectories"]  # train's, or train_sft's
+        if group.trajectories[0].messages_and_choices[0] == {"role": "user", "content": "boom"}:
+            raise jm.InvalidFieldError("groups", "boom", "refused")
+        self.steps[model.name] = self.steps.get(model.name, 0) + 1
+        return jm.TrainResult(step=self.steps[model.name])
+
+    train_sft = train
+
+
+def _groups(text: str) -> list[dict[str, object]]:
+    t = jm.Trajectory(messages_and_choices=[{"role": "user", "content": text}], reward=1.0)
+    return [jm.TrajectoryGroup([t]).model_dump(mode="json")]
+
+
+async def test_an_idempotency_key_names_one_call_of_one_model_and_operation(tmp_path: Path) -> None:
+    """Issue 53: key K on model ma, then K on mb, answered ma's step and trained nothing. The job
+    table is keyed by (model, operation, key): mb and ma's train_sft train their own steps; K again on
+    ma with the same body reattaches, with another body it is a 409 naming the key, while the call
+    runs and after it ran; a failed call's key may be sent again with anything."""
+    trainer = _QuickTrainer(tmp_path)
+    book = TokenBook(admin_secret=ADMIN)
+    app = Guard(create_app(trainer, book), book, LIMIT * 16)  # pyright: ignore[reportArgumentType]
+    auth = {"authorization": f"Bearer {ADMIN}"}
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t", headers=auth
+    ) as c:
+
+        async def train(model: str, body: dict[str, object], route: str = "train") -> httpx.Response:
+            return await c.post(f"{PREFIX}/models/{model}/{route}", json=body)
+
+        def result(r: httpx.Response) -> object:
+            assert r.status_code == 200, r.text
+            return json.loads(r.text.splitlines()[-1])["result"]["step"]
+
+        a = {"groups": _groups("a"), "idempotency_key": "K"}
+        assert result(await train("ma", a)) == 1
+        assert result(await train("mb", {**a, "groups": _groups("b")})) == 1  # its own step, not ma's
+        assert result(await train("ma", a)) == 1 and trainer.calls == 2  # a retry: reattached
+        sft = {"trajectories": [], "groups": _groups("s"), "idempotency_key": "K"}
+        assert result(await train("ma", sft, "train_sft")) == 2  # another operation: another call
+        other = await train("ma", {**a, "groups": _groups("other")})
+        assert other.status_code == 409, other.text
+        error = other.json()["error"]
+        assert error["param"] == "idempotency_key" and "another train call to ma" in error["reason"]
+        assert trainer.steps == {"ma": 2, "mb": 1} and trainer.calls == 3
+
+        trainer.gate.clear()  # while a call runs under a key, another body under it is refused too
+        running = asyncio.create_task(train("mb", {"groups": _groups("slow"), "idempotency_key": "L"}))
+        while trainer.calls < 4:
+            await asyncio.sleep(0.01)
+        refused = await train("mb", {"groups": _groups("fast"), "idempotency_key": "L"})
+        assert refused.status_code == 409 and "which runs under it" in refused.json()["error"]["reason"]
+        trainer.gate.set()
+        assert result(await running) == 2 and trainer.calls == 4
+
+        failed = await train("mb", {"groups": _groups("boom"), "idempotency_key": "M"})
+        assert json.loads(failed.text.splitlines()[-1])["kind"] == "error"
+        assert result(await train("mb", {"groups": _groups("fixed"), "idempotency_key": "M"})) == 3
+
+
+def test_captures_are_the_tokens_that_filed_them() -> None:
+    """Issue 53: any `sample` token could pop another token's capture by id. An id is filed and found
+    under the token whose request is answered (`owned_by`, which `journeyman serve` wraps every request
+    in): the same id of two tokens is two captures, in process an id is its own. An id past
+    MAX_CAPTURE_ID_CHARS, or a request past MAX_CALLS_PER_CAPTURE, is refused before it is sampled,
+    naming the header, and the calls held stay."""
+    from journeyman.errors import InvalidFieldError
+    from journeyman.rollout.capture import (
+        CAPTURE_HEADER,
+        MAX_CALLS_PER_CAPTURE,
+        MAX_CAPTURE_ID_CHARS,
+        CapturedCall,
+        Captures,
+        capture_key,
+        owned_by,
+    )
+
+    captures, call = Captures(), CapturedCall(request_messages=[], response={})
+    for token in ("alice", "mallory"):
+        with owned_by(token), captures.answering(capture_key("ep")):
+            captures.add(capture_key("ep"), call)
+    with owned_by("mallory"):
+        assert captures.pop(capture_key("ep")) == [call]  # her own, once
+        assert captures.pop(capture_key("ep")) == []
+    assert capture_key("ep") == "ep" and captures.pop("ep") == []  # in process: the bare id
+    with owned_by("alice"):
+        assert captures.peek(capture_key("ep")) == [call]  # alice's is still there
+        with pytest.raises(InvalidFieldError) as e:
+            capture_key("x" * (MAX_CAPTURE_ID_CHARS + 1))
+        assert e.value.field == CAPTURE_HEADER and "MAX_CAPTURE_ID_CHARS" in e.value.reason
+        key = capture_key("ep")
+        for _ in range(MAX_CALLS_PER_CAPTURE - 1):
+            captures.add(key, call)
+        with pytest.raises(InvalidFieldError) as e, captures.answering(key):
+            pass
+        assert e.value.field == CAPTURE_HEADER and "MAX_CALLS_PER_CAPTURE" in e.value.reason
+        assert len(captures.peek(key)) == MAX_CALLS_PER_CAPTURE and not captures.in_flight(key)
+        captures.take(key, 2)
+        assert len(captures.peek(key)) == MAX_CALLS_PER_CAPTURE - 2

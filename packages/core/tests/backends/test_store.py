@@ -277,6 +277,25 @@ def test_idempotency_results_are_kept_for_good_and_forgotten_on_rollback(tmp_pat
         reopened.request_result("../escape")
 
 
+def test_an_idempotency_key_is_scoped_to_its_operation(tmp_path: Path) -> None:
+    """Issue 53: one key used by `train` and by `train_sft` names two calls: each answers its own
+    result (`requests/<key>.json`, `requests/sft/<key>.json`), also from state.json when the copy
+    was cut off; a rollback forgets the lost step's key in either place."""
+    store = RunStore(tmp_path)
+    for step, split in ((1, "train"), (2, "sft")):
+        _fake_checkpoint(store, step)
+        _commit(store, step, store.begin_attempt([_group(split)], split, step - 1, key="K"), key="K")
+    assert store.request_result("K")["step"] == 1 == store.request_result("K", "train")["step"]  # pyright: ignore[reportOptionalSubscript]
+    assert store.request_result("K", "sft")["step"] == 2  # pyright: ignore[reportOptionalSubscript]
+    assert (tmp_path / "requests" / "sft" / "K.json").is_file()
+    (tmp_path / "requests" / "sft" / "K.json").unlink()  # as if a kill cut the copy off
+    assert RunStore(tmp_path).request_result("K", "sft")["step"] == 2  # pyright: ignore[reportOptionalSubscript]
+    assert RunStore(tmp_path).request_result("K", "val") is None
+    (tmp_path / "checkpoints" / "0002" / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    assert RunStore(tmp_path).resume_step() == 1
+    assert store.request_result("K", "sft") is None and store.request_result("K")["step"] == 1  # pyright: ignore[reportOptionalSubscript]
+
+
 def test_a_rollback_moves_the_lost_steps_history_rows_aside(tmp_path: Path) -> None:
     """Rolling back to step 2 moves train/sft rows of steps >= 2 and other splits' rows of steps
     > 2 to history.superseded.jsonl, so training on from step 2 never leaves two rows of a step."""

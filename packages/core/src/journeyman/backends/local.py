@@ -28,7 +28,7 @@ from journeyman.data.live_types import Decision, DecisionAction, LiveConfig, Liv
 from journeyman.data.paths import RunLayout
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError, UnknownModelError
-from journeyman.rollout.capture import CapturedCall
+from journeyman.rollout.capture import CapturedCall, capture_key
 
 if TYPE_CHECKING:
     from journeyman.engine.vllm_server import VLLMConfig
@@ -207,8 +207,8 @@ class LocalBackend:
     async def pop_captures(
         self, model: ModelConfig, capture_ids: Sequence[str]
     ) -> dict[str, list[CapturedCall]]:
-        captures = self.service(model).endpoint.captures
-        return {cid: captures.pop(cid) for cid in capture_ids}
+        captures = self.service(model).endpoint.captures  # the caller's own (`capture_key`)
+        return {cid: captures.pop(capture_key(cid)) for cid in capture_ids}
 
     async def serve_step(self, model: ModelConfig, step: int) -> None:
         s = self.service(model)

@@ -18,6 +18,7 @@ certificate and key.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import json
 import logging
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from journeyman.client.operations import OPERATIONS, REGISTER, Operation
@@ -50,6 +51,7 @@ from journeyman.errors import (
     JourneymanError,
     UnknownModelError,
 )
+from journeyman.rollout.capture import owned_by
 from journeyman.serving.api_tokens import Scope, TokenBook
 from journeyman.serving.drain import Drain, DrainingServer
 from journeyman.serving.guard import (
@@ -97,11 +99,17 @@ def _parse(raw: bytes, model: type[B], limit: int, gzipped: bool) -> B:
         raise body_error(e) from e
 
 
+JobName = tuple[str, str, str]
+"""(model, operation, idempotency key): a key names one training call of one model and operation."""
+
+
 @dataclass
 class TrainJob:
-    """A train request in flight or done: its events, so a client can (re)attach at any time."""
+    """A train request in flight or done: its events, so a client can (re)attach at any time, and
+    the digest of its body (`_body_sha256`), so that its key cannot attach another call to it."""
 
     key: str
+    body_sha256: str
     events: list[TrainEvent] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -113,6 +121,10 @@ class TrainJob:
     @property
     def finished(self) -> bool:
         return bool(self.events) and self.events[-1].kind != "progress"
+
+    @property
+    def failed(self) -> bool:
+        return self.finished and self.events[-1].kind == "error"
 
     async def stream(self) -> AsyncIterator[str]:
         sent = 0
@@ -149,7 +161,8 @@ def create_app(
 
     book = token_book(tokens)
     app = build_app(backend)  # the OpenAI routes: each request goes to the model it names
-    jobs: dict[str, TrainJob] = {}
+    app.add_middleware(_OwnCaptures)
+    jobs: dict[JobName, TrainJob] = {}
     app.state.train_jobs = jobs  # what a drain waits for (`serve`)
 
     @app.exception_handler(BaseModelNotFoundError)
@@ -197,13 +210,30 @@ def create_app(
             raise InvalidFieldError("name", name, "no token of that name")
         return {"revoked": True}
 
-    def start(key: str, train: Callable[[Progress], Awaitable[TrainResult]]) -> StreamingResponse:
-        """The stream of the training call with idempotency key `key`: started by `train(progress)`
-        unless it runs or ran already (a retry reattaches), or failed (a retry runs it again)."""
-        job = jobs.get(key)
-        if job is None or (job.finished and job.events[-1].kind == "error"):
+    def start(
+        name: JobName, body_sha256: str, train: Callable[[Progress], Awaitable[TrainResult]]
+    ) -> Response:
+        """The stream of the training call `name` (model, operation, idempotency key): started by
+        `train(progress)` unless it runs or ran already (a retry, the same body: it reattaches), or
+        failed (a retry runs it again). Another body under a key that runs or ran is a 409."""
+        model, operation, key = name
+        job = jobs.get(name)
+        if job is not None and not job.failed and job.body_sha256 != body_sha256:
+            reason = (
+                f"names another {operation} call to {model} (another body), which "
+                f"{'ran' if job.finished else 'runs'} under it: a key names one call; send a new key with a new call"
+            )
+            return json_error(
+                409,
+                f"idempotency_key={key!r}: {reason}",
+                "idempotency_key",
+                "idempotency_key_reused",
+                value=repr(key),
+                reason=reason,
+            )
+        if job is None or job.failed:
             _forget_finished(jobs)
-            job = jobs[key] = TrainJob(key)
+            job = jobs[name] = TrainJob(key, body_sha256)
             loop = asyncio.get_running_loop()
 
             def progress(done: int, total: int) -> None:  # called on the trainer's thread
@@ -230,15 +260,18 @@ def create_app(
         read), the arguments its body holds, the method called. A training call runs as a job named
         by its idempotency key, recording the caller's token as `trained_by`, and answers its stream."""
         arguments: dict[str, Any] = {} if name is None else {"model": backend.registered_model(name)}
-        if op.body is not None:
-            arguments.update((await _body(request, op.body, max_body_bytes)).arguments())
+        body = None if op.body is None else await _body(request, op.body, max_body_bytes)
+        if body is not None:
+            arguments.update(body.arguments())
         if op is REGISTER:
             return await _register(backend, arguments["model"])
         if "trained_by" in inspect.signature(op.declared).parameters:  # who asked: the caller's token
             arguments["trained_by"] = _token_name(request)
         if op.progress_unit is not None:
+            assert name is not None and body is not None  # the training calls are a model's, with a body
             return start(
-                arguments["idempotency_key"],
+                (name, op.name, arguments["idempotency_key"]),
+                await asyncio.to_thread(_body_sha256, body),
                 lambda progress: op.call(backend, {**arguments, "on_progress": progress}),
             )
         return await op.call(backend, arguments)
@@ -373,8 +406,14 @@ def _document_answers(path: str, method: str, op: dict[str, Any], event: dict[st
     if path.endswith(("/train", "/train_sft")):
         answers["200"] = {
             "description": "newline-delimited TrainEvent JSON: progress lines (one at least every 15 s), "
-            "then one `result` or `error` line. Retried with the same idempotency_key, it reattaches.",
+            "then one `result` or `error` line. Retried with the same idempotency_key and body, it "
+            "reattaches (a key is scoped to the model and the operation).",
             "content": {"application/x-ndjson": {"schema": event}},
+        }
+        answers["409"] = {
+            "description": "the idempotency_key names another call (another body) that runs or ran under it; "
+            "one found only in the run directory is the stream's error event IdempotencyKeyReusedError",
+            **error,
         }
 
 
@@ -392,7 +431,24 @@ def _token_name(request: Request) -> str | None:
     return request.scope.get("state", {}).get("token")
 
 
-def _forget_finished(jobs: dict[str, TrainJob]) -> None:
+def _body_sha256(body: BaseModel) -> str:
+    """A body's digest as parsed (its JSON's spacing and compression do not count)."""
+    return hashlib.sha256(body.model_dump_json().encode()).hexdigest()
+
+
+class _OwnCaptures:
+    """ASGI: each request is answered for its API token (the Guard's `state.token`): the captures it
+    files, pops and reports outcomes for are that token's own (`rollout/capture.py`)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        with owned_by(scope.get("state", {}).get("token")):
+            await self.app(scope, receive, send)
+
+
+def _forget_finished(jobs: dict[JobName, TrainJob]) -> None:
     """Keep at most MAX_FINISHED_JOBS finished jobs in memory (oldest go first): an older key's retry
     is answered from the run directory, where every committed key's result is kept."""
     finished = [k for k, j in jobs.items() if j.finished]
@@ -474,7 +530,7 @@ def serve(
         ssl_certfile=None if ssl_certfile is None else str(ssl_certfile),
         ssl_keyfile=None if ssl_keyfile is None else str(ssl_keyfile),
     )
-    jobs: dict[str, TrainJob] = routed.state.train_jobs
+    jobs: dict[JobName, TrainJob] = routed.state.train_jobs
     server = DrainingServer(
         config, app, lambda: [j.task for j in jobs.values() if j.task and not j.task.done()]
     )

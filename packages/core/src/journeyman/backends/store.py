@@ -12,7 +12,9 @@ What each file holds and how it is written (where each lives: `journeyman.data.p
                               the process died), superseded (lost to a resume's fallback; `<step>.superseded.jsonl`)
     history.jsonl             one row of metrics per step (train) or per log call (val, ...)
     history.superseded.jsonl  the rows of steps a resume's fallback lost
-    requests/<key>.json       the result of each committed train call with an idempotency key
+    requests/<key>.json       the result of each committed `train` call with an idempotency key, with
+                              the digest of the call (`request_sha256`); `requests/<split>/<key>.json`
+                              for another operation's (sft): a key is scoped to the model and operation
     state.json                {"step": N, "base_model": ..., "last": the last commit}
 
 Every write that a resume depends on is atomic (temp + fsync + rename): a checkpoint directory
@@ -143,11 +145,13 @@ def _row_lost(row: dict[str, Any], step: int) -> bool:
 @dataclass(frozen=True)
 class Attempt:
     """The groups of one train call at `step`, on disk before its update; `id` is the call's
-    idempotency key (so a retry after a kill finds them) or a random one."""
+    idempotency key (so a retry after a kill finds them) or a random one; `request_sha256` the digest
+    of the call, kept with its result so the key cannot answer another call."""
 
     split: str
     step: int
     id: str
+    request_sha256: str | None = None
 
     def file(self, kind: str) -> str:
         return f"{self.step:04d}.{kind}-{self.id}.jsonl"
@@ -218,7 +222,7 @@ class RunStore:
             return
         key, result = last.get("key"), last.get("result")
         if isinstance(key, str) and isinstance(result, dict):
-            path = self._request_path(key)
+            path = self._request_path(key, str(last.get("split", "train")))
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(path, dumps(result))
@@ -243,8 +247,11 @@ class RunStore:
         os.replace(combined, final)
         _fsync_dir(d)
 
-    def _request_path(self, key: str) -> Path:
-        return self.layout.request(key)
+    def _request_path(self, key: str, split: str = "train") -> Path:
+        """`requests/<key>.json` for `train` (where every key lived before keys were scoped to their
+        operation), `requests/<split>/<key>.json` for another split's call."""
+        path = self.layout.request(key)
+        return path if split == "train" else path.parent / check_name("split", split) / path.name
 
     def _keep_legacy_requests(self, state: dict[str, Any]) -> None:
         """Runs from before `requests/` kept the last results in state.json: move them to files."""
@@ -254,9 +261,10 @@ class RunStore:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(path, dumps(result))
 
-    def request_result(self, key: str) -> dict[str, Any] | None:
-        """The result of the committed train call with idempotency key `key`, if there is one."""
-        path = self._request_path(key)
+    def request_result(self, key: str, split: str = "train") -> dict[str, Any] | None:
+        """The record of the committed call of `split` (train, sft) with idempotency key `key`, if
+        there is one: its result, and the call's `request_sha256` where it was kept."""
+        path = self._request_path(key, split)
         if path.is_file():
             try:
                 return json.loads(path.read_text())
@@ -264,9 +272,13 @@ class RunStore:
                 log.warning("%s is unreadable (%s); the state's record is used if it has one", path, e)
         state = self.state()
         last = state.get("last")
-        if isinstance(last, dict) and last.get("key") == key and isinstance(last.get("result"), dict):
+        if (
+            isinstance(last, dict)
+            and (last.get("key"), last.get("split", "train")) == (key, split)
+            and isinstance(last.get("result"), dict)
+        ):
             return last["result"]  # committed; the copy to requests/ was cut off
-        return (state.get("requests") or {}).get(key)
+        return (state.get("requests") or {}).get(key) if split == "train" else None
 
     # -- checkpoints -------------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
@@ -388,7 +400,9 @@ class RunStore:
                 os.replace(path, _free_name(path.parent, f"{path.stem}.superseded"))
         self.history_file.supersede(step)
         self._keep_legacy_requests(state)
-        for path in self.layout.requests.glob("*"):
+        for path in self.layout.requests.rglob("*"):  # requests/<key>.json, requests/<split>/<key>.json
+            if path.is_dir():
+                continue
             try:
                 lost = path.suffix != ".json" or int(json.loads(path.read_text()).get("step", 0)) > step
             except (ValueError, TypeError, AttributeError):

@@ -1,8 +1,9 @@
 """A training step's life on a served model, once for GRPO and SFT: the second room of `LocalBackend`.
 
-`run_step` is the life: the idempotency key's earlier result, if it has one; else the groups written
-as an attempt (`begin`), the update with the engine asleep, the checkpoint committed and served, and
-the history row (`checkpoint`); the attempt marked failed if anything raises. What differs between
+`run_step` is the life: the idempotency key's earlier result, if it has one (a key is scoped to the
+model, whose run directory keeps it, and the operation; sent with another call, it is refused:
+`IdempotencyKeyReusedError`); else the groups written as an attempt (`begin`), the update with the
+engine asleep, the checkpoint committed and served, and the history row (`checkpoint`); the attempt marked failed if anything raises. What differs between
 GRPO and SFT is an update (`GRPOUpdate`, `SFTUpdate`): `run` changes the adapter from checkpoint
 `step` while the engine sleeps and answers (updated?, metrics); `settle`, once it woke, completes the
 metrics. `log_groups` records groups and metrics without training: one history row.
@@ -11,6 +12,8 @@ metrics. `log_groups` records groups and metrics without training: one history r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -25,7 +28,12 @@ from journeyman.data.config import SFTConfig, TrainConfig, TrainResult, check_na
 from journeyman.data.provenance import staleness_metrics
 from journeyman.data.trajectory_file import check_trajectories
 from journeyman.data.types import History, Trajectory, TrajectoryGroup
-from journeyman.errors import CheckpointError, InvalidFieldError, NoLearningSignalError
+from journeyman.errors import (
+    CheckpointError,
+    IdempotencyKeyReusedError,
+    InvalidFieldError,
+    NoLearningSignalError,
+)
 from journeyman.rollout.observe import GroupContext, emit
 
 log = logging.getLogger("journeyman")
@@ -213,10 +221,12 @@ async def run_step(
 
     With `parent` (live training: the promoted step, which the engine serves) the step trains from
     it and its checkpoint (the latest + 1) is a candidate: written, not served."""
+    digest = None
     if idempotency_key is not None:
         check_name("idempotency_key", idempotency_key)
+        digest = request_sha256(update)
     async with s.step_lock:
-        begun = begin(s, update.groups, update.split, idempotency_key, parent)
+        begun = begin(s, update, idempotency_key, parent, digest)
         if isinstance(begun, TrainResult):
             return begun
         attempt = begun
@@ -255,12 +265,30 @@ async def run_step(
             raise
 
 
+def request_sha256(update: Update) -> str:
+    """The digest of a training call: its operation (split), its config as it trains, its groups.
+    A retry of a key matches the call the key named; another call does not."""
+    h = hashlib.sha256(f"{update.split}\n{update.config.model_dump_json()}\n".encode())
+    for g in update.groups:
+        h.update(g.model_dump_json().encode() + b"\n")
+    return h.hexdigest()
+
+
 def begin(
-    s: ServedModel, groups: list[TrajectoryGroup], split: str, key: str | None, parent: int | None = None
+    s: ServedModel, update: Update, key: str | None, parent: int | None = None, digest: str | None = None
 ) -> Attempt | TrainResult:
     """The attempt of a new update (its step, its groups written and announced); or the result
-    of the committed call with idempotency key `key`."""
-    if key is not None and (done := s.store.request_result(key)) is not None:
+    of the committed call of this operation with idempotency key `key`, when `digest` is that call's
+    (`request_sha256`; a record from before digests were kept matches any)."""
+    groups, split = update.groups, update.split
+    if key is not None and (done := s.store.request_result(key, split)) is not None:
+        if done.get("request_sha256") not in (None, digest):
+            raise IdempotencyKeyReusedError(
+                "idempotency_key",
+                key,
+                f"names another {split} call of this model (the one that made step {done.get('step')}), "
+                "with other groups or config: a key names one call; send a new key with a new call",
+            )
         return _result_of(done)
     step = s.store.latest_step()
     if parent is None:
@@ -274,7 +302,7 @@ def begin(
             else f"serve_step({step}) before training"
         )
         raise InvalidFieldError("step", s.engine.step, f"an older checkpoint is served: {why}")
-    attempt = s.store.begin_attempt(groups, split, step, key)
+    attempt = dataclasses.replace(s.store.begin_attempt(groups, split, step, key), request_sha256=digest)
     model = s.model
     emit(
         groups, GroupContext(project=model.project, model=model.name, step=step, split=split, source="train")
@@ -319,7 +347,9 @@ async def checkpoint(
 
 def commit(s: ServedModel, step: int, attempt: Attempt, key: str | None, result: TrainResult) -> None:
     """state.json names `step`: the attempt's groups become `<step>.jsonl`, `key` answers `result`."""
-    request = (key, result.model_dump()) if key is not None else None
+    request = None
+    if key is not None:  # the key answers this result, and only to this very call (`request_sha256`)
+        request = (key, {**result.model_dump(), "request_sha256": attempt.request_sha256})
     s.store.write_state(step, request=request, attempt=attempt, base_model=s.model.base_model)
 
 
@@ -384,7 +414,8 @@ def _prefixed(split: str, metrics: Mapping[str, float]) -> dict[str, float]:
 def _result_of(done: dict[str, Any]) -> TrainResult:
     """A stored result back to a TrainResult: a metric stored as null (NaN in strict JSON) is NaN again."""
     metrics = {k: math.nan if v is None else v for k, v in (done.get("metrics") or {}).items()}
-    return TrainResult.model_validate({**done, "metrics": metrics})
+    kept = {k: v for k, v in done.items() if k != "request_sha256"}
+    return TrainResult.model_validate({**kept, "metrics": metrics})
 
 
 def _by(row: dict[str, Any], trained_by: str | None) -> dict[str, Any]:

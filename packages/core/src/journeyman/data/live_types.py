@@ -14,6 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from journeyman.data.config import TrainConfig, check_name
 from journeyman.errors import InvalidFieldError
 
+# What an episode's outcome may hold (`EpisodeOutcome`; its episode_id is a name: `check_name`'s 128
+# characters). Each is named in the 400 that refuses a value past it, before anything is taken.
+MAX_OUTCOME_REWARD = 1e6  # |reward| of an outcome: the baseline, advantages and canary statistics stay finite
+MAX_OUTCOME_METRICS = 64  # metrics one outcome carries
+MAX_METRIC_NAME_CHARS = 128  # characters of the name of an outcome's metric
+MAX_OUTCOME_METRIC = 1e15  # |value| of an outcome's metric: finite, and so are its means in history
+MAX_OUTCOME_GROUP_CHARS = 256  # characters of an outcome's group key
+
 
 def _live_train_config() -> TrainConfig:
     # Live episodes carry their advantage as their reward (reward minus the stated baseline), and
@@ -135,14 +143,18 @@ class EpisodeOutcome(BaseModel):
     episode_id: str = Field(
         description="the `x-journeyman-capture` header value the episode's requests carried"
     )
-    reward: float = Field(description="the episode's reward (higher is better)")
+    reward: float = Field(
+        description=f"the episode's reward (higher is better), finite, within ±{MAX_OUTCOME_REWARD:g}"
+    )
     metrics: dict[str, float] = Field(
-        default_factory=dict, description="more numbers, kept on the trajectory"
+        default_factory=dict,
+        description=f"more numbers, kept on the trajectory: at most {MAX_OUTCOME_METRICS}, names of at most "
+        f"{MAX_METRIC_NAME_CHARS} characters, finite values within ±{MAX_OUTCOME_METRIC:g}",
     )
     group: str | None = Field(
         default=None,
         description="episodes of the same task share a key: they are compared with each other, and the "
-        "baseline of a lone one is its key's running mean",
+        f"baseline of a lone one is its key's running mean (at most {MAX_OUTCOME_GROUP_CHARS} characters)",
     )
 
     @field_validator("episode_id")
@@ -153,8 +165,43 @@ class EpisodeOutcome(BaseModel):
     @field_validator("reward")
     @classmethod
     def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise InvalidFieldError("reward", v, "must be a finite number")
+        if not (math.isfinite(v) and abs(v) <= MAX_OUTCOME_REWARD):
+            raise InvalidFieldError(
+                "reward",
+                v,
+                f"must be a finite number within ±{MAX_OUTCOME_REWARD:g} (MAX_OUTCOME_REWARD): scale it",
+            )
+        return v
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics(cls, v: dict[str, float]) -> dict[str, float]:
+        if len(v) > MAX_OUTCOME_METRICS:
+            raise InvalidFieldError(
+                "metrics", f"{len(v)} metrics", f"at most {MAX_OUTCOME_METRICS} (MAX_OUTCOME_METRICS)"
+            )
+        for name, x in v.items():
+            if len(name) > MAX_METRIC_NAME_CHARS:
+                raise InvalidFieldError(
+                    "metrics",
+                    name,
+                    f"a metric's name has at most {MAX_METRIC_NAME_CHARS} characters (MAX_METRIC_NAME_CHARS)",
+                )
+            if not (math.isfinite(x) and abs(x) <= MAX_OUTCOME_METRIC):
+                raise InvalidFieldError(
+                    name, x, f"must be a finite number within ±{MAX_OUTCOME_METRIC:g} (MAX_OUTCOME_METRIC)"
+                )
+        return v
+
+    @field_validator("group")
+    @classmethod
+    def _group(cls, v: str | None) -> str | None:
+        if v is not None and len(v) > MAX_OUTCOME_GROUP_CHARS:
+            raise InvalidFieldError(
+                "group",
+                f"{len(v)} characters",
+                f"a group key has at most {MAX_OUTCOME_GROUP_CHARS} characters (MAX_OUTCOME_GROUP_CHARS)",
+            )
         return v
 
 
@@ -193,7 +240,8 @@ class LiveStatus(BaseModel):
     episodes_open: int = Field(description="episodes with calls and no outcome yet")
     episodes_waiting: int = Field(description="scored episodes waiting to train")
     counts: dict[str, int] = Field(
-        description="outcomes, duplicates, expired, refused_expired, unknown, stale, trained, steps"
+        description="outcomes, duplicates, expired, refused_expired, unknown, stale, trained, steps, "
+        "set_aside (episodes that could not train; each batch a history row with the reason)"
     )
     canary: dict[str, float] = Field(
         description="the judged candidate's and the promoted step's live numbers"
@@ -204,6 +252,11 @@ class LiveStatus(BaseModel):
 
 
 __all__ = [
+    "MAX_METRIC_NAME_CHARS",
+    "MAX_OUTCOME_GROUP_CHARS",
+    "MAX_OUTCOME_METRIC",
+    "MAX_OUTCOME_METRICS",
+    "MAX_OUTCOME_REWARD",
     "Decision",
     "DecisionAction",
     "EpisodeOutcome",

@@ -12,11 +12,18 @@ unbiased: E[b ∇log π(a)] = 0 when b is independent of the action a):
     baseline = RunningBaseline()
     b = baseline.before("ticket-triage", 1.0)   # the mean of earlier outcomes; then this one joins it
     advantages([("k", 1.0, b1), ("k", 0.0, b2), (None, 0.5, b3)])  # -> [1.0, -1.0, 0.5 - b3]
+
+Every number here stays finite: a reward that is not finite, or that would carry the running sums
+past what a float holds, is refused before it joins (live outcomes are bounded well inside that:
+`MAX_OUTCOME_REWARD`), and `advantages` of finite inputs are finite.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
+
+from journeyman.errors import InvalidFieldError
 
 
 class RunningBaseline:
@@ -36,11 +43,18 @@ class RunningBaseline:
     def before(self, key: Hashable, reward: float) -> float:
         """`value(key)`, then `reward` joins the means (what the next episode of `key` is compared with)."""
         b = self.value(key)
-        self._sum[key] = self._sum.get(key, 0.0) + reward
-        self._n[key] = self._n.get(key, 0) + 1
-        self._total += reward
-        self._count += 1
+        self.add(key, reward)
         return b
+
+    def add(self, key: Hashable, reward: float) -> None:
+        """`reward` joins the means of `key` and of all keys; one that is not finite, or would make a
+        sum so, is refused (InvalidFieldError) and changes nothing."""
+        keyed, total = self._sum.get(key, 0.0) + reward, self._total + reward
+        if not (math.isfinite(reward) and math.isfinite(keyed) and math.isfinite(total)):
+            raise InvalidFieldError("reward", reward, "would make the running baseline not finite")
+        self._sum[key], self._total = keyed, total
+        self._n[key] = self._n.get(key, 0) + 1
+        self._count += 1
 
 
 def advantages(episodes: Sequence[tuple[Hashable, float, float]]) -> list[float]:

@@ -4,6 +4,12 @@ Frameworks such as LangChain and the Agents SDK drop the extra fields a completi
 token records must also be reachable another way: a client marks its requests with the header
 `x-journeyman-capture: <id>` (the `capture()` context does this through a ContextVar, so concurrent
 episodes never mix), and the endpoint files every completion it serves under that id.
+
+A capture belongs to the API token whose requests made it: `journeyman serve` answers each request
+inside `owned_by(<token name>)`, and `capture_key` files and finds an id under that token, so one
+token's `captures` pop and outcomes never see (or take) another token's calls, whatever ids they
+send. In process (no token) an id is its own key. Captures live in one model's endpoint: a model's
+captures are its own too.
 """
 
 from __future__ import annotations
@@ -15,13 +21,54 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, overload
 
 from pydantic import BaseModel, Field
 
+from journeyman.errors import InvalidFieldError
+
 CAPTURE_HEADER = "x-journeyman-capture"
 
+MAX_CAPTURE_IDS = 10_000  # capture ids an endpoint holds; past it the least recently filed is dropped
+CAPTURE_MAX_AGE_S = 3600.0  # a capture id with no call filed for this long is dropped (live: episode_ttl_s)
+MAX_CAPTURE_ID_CHARS = 256  # characters of an `x-journeyman-capture` id (400 past it, before sampling)
+MAX_CALLS_PER_CAPTURE = 1024  # calls one capture id holds until popped (400 past it, before sampling)
+
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("journeyman_capture", default=None)
+# the name of the API token whose request is being answered (`journeyman serve`); None in process
+_owner: contextvars.ContextVar[str | None] = contextvars.ContextVar("journeyman_capture_owner", default=None)
+
+
+@contextlib.contextmanager
+def owned_by(token_name: str | None) -> Iterator[None]:
+    """Answer what runs in this context (a request) for the API token `token_name`: its captures
+    are filed and found under that token (`capture_key`)."""
+    token = _owner.set(token_name)
+    try:
+        yield
+    finally:
+        _owner.reset(token)
+
+
+@overload
+def capture_key(capture_id: str) -> str: ...
+@overload
+def capture_key(capture_id: None) -> None: ...
+def capture_key(capture_id: str | None) -> str | None:
+    """The key `capture_id` is filed and found under for the caller: `<token name>/<id>` while an API
+    token's request is answered (`owned_by`; a token name has no '/', so two tokens' ids never meet),
+    the id itself in process. An id longer than MAX_CAPTURE_ID_CHARS is refused, naming the header."""
+    if not capture_id:
+        return capture_id
+    if len(capture_id) > MAX_CAPTURE_ID_CHARS:
+        raise InvalidFieldError(
+            CAPTURE_HEADER,
+            capture_id,
+            f"is {len(capture_id)} characters: a capture id has at most {MAX_CAPTURE_ID_CHARS} "
+            "(MAX_CAPTURE_ID_CHARS)",
+        )
+    owner = _owner.get()
+    return capture_id if owner is None else f"{owner}/{capture_id}"
 
 
 class CapturedCall(BaseModel):
@@ -36,14 +83,17 @@ class CapturedCall(BaseModel):
 
 
 class Captures:
-    """Server side: calls filed by capture id, bounded so that ids nobody pops cannot grow memory.
+    """Server side: calls filed by capture id (the key `capture_key` makes of it), bounded so that
+    ids nobody pops cannot grow memory.
 
     An id is dropped (counted in `dropped`) when `max_ids` newer ids are held, or when no call was
     filed under it for `max_age_s`: an episode still running keeps its id alive. The latest
-    `max_ids` dropped ids are remembered (`was_dropped`), so a late outcome is told it expired.
+    `max_ids` dropped ids are remembered (`was_dropped`), so a late outcome is told it expired. One
+    id holds at most MAX_CALLS_PER_CAPTURE calls: a request past it is refused before it is sampled
+    (`answering`), and the calls held stay.
     """
 
-    def __init__(self, max_ids: int = 10_000, max_age_s: float = 3600.0) -> None:
+    def __init__(self, max_ids: int = MAX_CAPTURE_IDS, max_age_s: float = CAPTURE_MAX_AGE_S) -> None:
         self._calls: OrderedDict[str, tuple[float, list[CapturedCall]]] = OrderedDict()  # oldest first
         self._dropped_ids: OrderedDict[str, None] = OrderedDict()
         self._in_flight: dict[str, int] = {}  # requests being answered, by capture id
@@ -84,6 +134,14 @@ class Captures:
             yield
             return
         with self._lock:
+            held = len(self._calls.get(capture_id, (0.0, []))[1]) + self._in_flight.get(capture_id, 0)
+            if held >= MAX_CALLS_PER_CAPTURE:
+                raise InvalidFieldError(
+                    CAPTURE_HEADER,
+                    f"{held} calls",
+                    f"holds {held} calls, the most one capture id holds (MAX_CALLS_PER_CAPTURE="
+                    f"{MAX_CALLS_PER_CAPTURE}): pop them (or post the episode's outcome), or use a new id",
+                )
             self._in_flight[capture_id] = self._in_flight.get(capture_id, 0) + 1
         try:
             yield
@@ -113,6 +171,21 @@ class Captures:
     def pop(self, capture_id: str) -> list[CapturedCall]:
         with self._lock:
             return self._calls.pop(capture_id, (0.0, []))[1]
+
+    def peek(self, capture_id: str) -> list[CapturedCall]:
+        """The calls held under `capture_id`, left in place (`take` them once they are safe elsewhere)."""
+        with self._lock:
+            return list(self._calls.get(capture_id, (0.0, []))[1])
+
+    def take(self, capture_id: str, n: int) -> None:
+        """Remove the first `n` calls under `capture_id` (those a `peek` returned); calls filed since stay."""
+        with self._lock:
+            held = self._calls.get(capture_id)
+            if held is None:
+                return
+            del held[1][:n]
+            if not held[1]:
+                del self._calls[capture_id]
 
     def last_call(self, capture_id: str) -> float | None:
         """When (time.monotonic) the latest call under `capture_id` was filed; None: none is held."""
@@ -150,4 +223,15 @@ async def add_capture_header(request: Any) -> None:
         request.headers[CAPTURE_HEADER] = cid
 
 
-__all__ = ["CAPTURE_HEADER", "CapturedCall", "add_capture_header", "capture_scope", "current_capture_id"]
+__all__ = [
+    "CAPTURE_HEADER",
+    "MAX_CALLS_PER_CAPTURE",
+    "MAX_CAPTURE_ID_CHARS",
+    "CapturedCall",
+    "Captures",
+    "add_capture_header",
+    "capture_key",
+    "capture_scope",
+    "current_capture_id",
+    "owned_by",
+]

@@ -4,6 +4,10 @@ Scopes nest: `sample` may call the OpenAI routes and read (models, steps, histor
 `train` may also register models, train, log and switch the served step; `admin` may also delete
 checkpoints and manage tokens. `$JOURNEYMAN_TOKEN` is an admin token named `env`.
 
+Captures are a token's own, whatever its scope: the calls a token's requests file under a capture
+id are popped, and scored as a live episode, by that token alone (`rollout/capture.py`); another
+token sending the same id files and finds its own calls.
+
 Tokens live in `<server path>/tokens.json` as sha256 digests, never as secrets (a leaked file names
 who may call, not how); the server re-reads the file when it changes, so `journeyman token add` or
 `revoke` takes effect on the next request, without a restart.

@@ -30,7 +30,7 @@ from journeyman.engine import Engine, Sample, SamplingParams
 from journeyman.engine.base import MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS, SEED_MAX, SEED_MIN
 from journeyman.engine.grammar import SCHEMA_FIELD
 from journeyman.errors import EngineTimeoutError, InvalidFieldError, UnknownModelError
-from journeyman.rollout.capture import CapturedCall, Captures
+from journeyman.rollout.capture import CapturedCall, Captures, capture_key
 from journeyman.serving.messages_api import add_routes as add_messages_routes
 from journeyman.serving.openai_http import (
     MAX_SCHEMA_BYTES,
@@ -343,6 +343,7 @@ class Endpoint:
     ) -> dict[str, Any]:
         """Serve one chat completion; `response_id` names the Responses API call it answers, if any;
         `on_text(choice, delta)` is told of the content as it is sampled (`streaming`)."""
+        capture_id = capture_key(capture_id)  # the caller's token's own (`rollout/capture.py`)
         with self.captures.answering(capture_id):  # live training waits for it before an episode trains
             try:
                 return await self._chat_completion(body, capture_id, response_id, on_text)
