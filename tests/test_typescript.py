@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -84,11 +85,13 @@ def _readme_example_commands() -> dict[str, str]:
 
 
 def test_the_example_builds_from_a_fresh_checkout_and_trains(
-    remote_server: ServerProcess, tmp_path: Path
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """README's build line, as pasted, in a copy of the tracked files of examples/ts and packages/ts
     (no node_modules, no dist): `npm run build` builds the client first. Then its start line with
-    small sizes (one step of one group of 2, 2 held-out prompts) against a real server."""
+    small sizes (one step of one group of 2, 2 held-out prompts) against a real server of its own,
+    with one torch thread (two threads beside other busy processes wait on each other at every op:
+    the same run took over 15 minutes instead of 4 at load 13 on 2 cores)."""
     tracked = subprocess.run(
         ["git", "ls-files", "-z", "examples/ts", "packages/ts"], cwd=ROOT, capture_output=True, check=True
     ).stdout.decode()
@@ -111,21 +114,28 @@ def test_the_example_builds_from_a_fresh_checkout_and_trains(
     assert env_part.startswith("JOURNEYMAN_URL=") and "<token>" in env_part, commands["start"]
     # README's arguments first (parseArgs is strict: a renamed flag fails), then small sizes (the last wins)
     small = f"{args.strip()} --steps 1 --group-size 2 --prompts-per-step 1 --eval-prompts 2"
-    env = {**os.environ, "JOURNEYMAN_URL": remote_server.url, "JOURNEYMAN_TOKEN": remote_server.token}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (tmp_path / "serve").mkdir()
+    server = ServerProcess(tmp_path / "serve", secrets.token_urlsafe(24)).start()
+    env = {**os.environ, "JOURNEYMAN_URL": server.url, "JOURNEYMAN_TOKEN": server.token}
     log = tmp_path / "start.log"  # what it printed so far, also when it runs out of time
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            ["bash", "-c", f"npm start -- {small}"],
-            cwd=tmp_path / "examples/ts",
-            env=env,
-            stdout=out,
-            stderr=out,
-        )
-        try:
-            proc.wait(timeout=900)  # ~5 min at load 14 on 2 cores
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    try:
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                ["bash", "-c", f"npm start -- {small}"],
+                cwd=tmp_path / "examples/ts",
+                env=env,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,  # npm, sh and node: killed together
+            )
+            try:
+                proc.wait(timeout=900)  # ~5 min at load 14 on 2 cores
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    finally:
+        server.kill()
     printed = log.read_text()
     assert proc.returncode == 0, printed[-6000:]
     assert "held-out reward before:" in printed and "held-out reward after:" in printed, printed
