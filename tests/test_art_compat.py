@@ -178,6 +178,10 @@ def test_ARTs_current_names_work_and_the_ones_we_lack_say_what_to_use() -> None:
     assert art.TrainableModel(name="agent", project="art").run_name == "agent"  # older ART code omits it
     with pytest.raises(ArtFeatureNotSupported, match=r"run_name=\).*use name=.* instead"):
         art.TrainableModel(name="agent", run_name="agent-002", project="art")
+    # through journeyman serve the model goes as the plain config it is (its ART-only fields stay here)
+    from journeyman.client.wire import RegisterBody
+
+    assert RegisterBody.of({"model": model}).model.name == "agent-001"
 
     sft = art.TrainSFTConfig(learning_rate=1e-4, batch_size=4).journeyman()
     assert (sft.learning_rate, sft.batch_size) == (1e-4, 4)

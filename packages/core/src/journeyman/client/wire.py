@@ -56,8 +56,10 @@ class RegisterBody(Body):
 
     @classmethod
     def of(cls, arguments: Mapping[str, Any]) -> Self:
-        # a TrainableModel is sent as the plain config it is
-        return super().of({"model": ModelConfig.model_validate(arguments["model"].model_dump())})
+        # a TrainableModel is sent as the plain config it is; fields of subclasses (journeyman.art's
+        # run_name, config) stay on the client, as LocalBackend ignores them too
+        config = arguments["model"].model_dump(include=set(ModelConfig.model_fields))
+        return super().of({"model": ModelConfig.model_validate(config)})
 
 
 class Registered(BaseModel):
