@@ -81,6 +81,11 @@ def dumps(value: Any, **kwargs: Any) -> str:
     return json.dumps(finite(value), allow_nan=False, **kwargs)
 
 
+def groups_text(groups: Sequence[TrajectoryGroup]) -> str:
+    """Groups as a trajectory file holds them: one JSON line each."""
+    return "".join(g.model_dump_json() + "\n" for g in groups)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -440,17 +445,27 @@ class RunStore:
         return self.layout.split_dir(split)
 
     def begin_attempt(
-        self, groups: Sequence[TrajectoryGroup], split: str, step: int, key: str | None = None
+        self,
+        groups: Sequence[TrajectoryGroup],
+        split: str,
+        step: int,
+        key: str | None = None,
+        text: str | None = None,
+        request_sha256: str | None = None,
     ) -> Attempt:
         """Write the groups of a train call at `step` to `<step>.attempt-<id>.jsonl`, before the
-        update. A retry of key `key` after a kill takes back its abandoned file if the groups are
-        the same, so they are on disk once."""
+        update (`text`: the groups as `groups_text` renders them, if the caller has it). A retry of
+        key `key` after a kill takes back its abandoned file if the groups are the same, so they are
+        on disk once."""
         attempt = Attempt(
-            split, step, uuid.uuid4().hex if key is None else check_name("idempotency_key", key)
+            split,
+            step,
+            uuid.uuid4().hex if key is None else check_name("idempotency_key", key),
+            request_sha256,
         )
         d = self._trajectory_dir(split)
         d.mkdir(parents=True, exist_ok=True)
-        text = "".join(g.model_dump_json() + "\n" for g in groups)
+        text = groups_text(groups) if text is None else text
         path = d / attempt.file("attempt")
         left = d / attempt.file("abandoned")
         if key is not None and left.is_file() and left.read_text() == text:
@@ -490,7 +505,7 @@ class RunStore:
         """Append groups that are not trained (an evaluation: `log`) to `<split>/<step>.jsonl`."""
         path = self.layout.groups_file(split, step)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _append(path, "".join(g.model_dump_json() + "\n" for g in groups).encode())
+        _append(path, groups_text(groups).encode())
         return path
 
     def read_groups(self, split: str, step: int) -> list[TrajectoryGroup]:

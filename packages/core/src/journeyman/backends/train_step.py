@@ -12,7 +12,6 @@ metrics. `log_groups` records groups and metrics without training: one history r
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import logging
 import math
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from journeyman.backends.service import ServedModel
-from journeyman.backends.store import TRAINING_SPLITS, Attempt
+from journeyman.backends.store import TRAINING_SPLITS, Attempt, groups_text
 from journeyman.client.protocol import Progress
 from journeyman.data.config import SFTConfig, TrainConfig, TrainResult, check_name
 from journeyman.data.provenance import staleness_metrics
@@ -221,12 +220,11 @@ async def run_step(
 
     With `parent` (live training: the promoted step, which the engine serves) the step trains from
     it and its checkpoint (the latest + 1) is a candidate: written, not served."""
-    digest = None
     if idempotency_key is not None:
         check_name("idempotency_key", idempotency_key)
-        digest = request_sha256(update)
+    text = await asyncio.to_thread(groups_text, update.groups)  # tens of MB, once, off the event loop
     async with s.step_lock:
-        begun = begin(s, update, idempotency_key, parent, digest)
+        begun = begin(s, update, text, idempotency_key, parent)
         if isinstance(begun, TrainResult):
             return begun
         attempt = begun
@@ -265,22 +263,21 @@ async def run_step(
             raise
 
 
-def request_sha256(update: Update) -> str:
-    """The digest of a training call: its operation (split), its config as it trains, its groups.
-    A retry of a key matches the call the key named; another call does not."""
-    h = hashlib.sha256(f"{update.split}\n{update.config.model_dump_json()}\n".encode())
-    for g in update.groups:
-        h.update(g.model_dump_json().encode() + b"\n")
-    return h.hexdigest()
+def request_sha256(update: Update, text: str) -> str:
+    """The digest of a training call: its operation (split), its config as it trains, its groups
+    (`text`, as `groups_text` renders them). A retry of a key matches the call the key named."""
+    return hashlib.sha256(f"{update.split}\n{update.config.model_dump_json()}\n{text}".encode()).hexdigest()
 
 
 def begin(
-    s: ServedModel, update: Update, key: str | None, parent: int | None = None, digest: str | None = None
+    s: ServedModel, update: Update, text: str, key: str | None, parent: int | None = None
 ) -> Attempt | TrainResult:
-    """The attempt of a new update (its step, its groups written and announced); or the result
-    of the committed call of this operation with idempotency key `key`, when `digest` is that call's
-    (`request_sha256`; a record from before digests were kept matches any)."""
+    """The attempt of a new update (its step, its groups written and announced; `text`: the groups
+    rendered, `groups_text`); or the result of the committed call of this operation with idempotency
+    key `key`, when this is that call (`request_sha256`; a record from before digests were kept
+    matches any)."""
     groups, split = update.groups, update.split
+    digest = request_sha256(update, text) if key is not None else None
     if key is not None and (done := s.store.request_result(key, split)) is not None:
         if done.get("request_sha256") not in (None, digest):
             raise IdempotencyKeyReusedError(
@@ -302,7 +299,7 @@ def begin(
             else f"serve_step({step}) before training"
         )
         raise InvalidFieldError("step", s.engine.step, f"an older checkpoint is served: {why}")
-    attempt = dataclasses.replace(s.store.begin_attempt(groups, split, step, key), request_sha256=digest)
+    attempt = s.store.begin_attempt(groups, split, step, key, text, digest)
     model = s.model
     emit(
         groups, GroupContext(project=model.project, model=model.name, step=step, split=split, source="train")
