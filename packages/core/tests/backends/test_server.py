@@ -144,7 +144,7 @@ async def test_an_idempotency_key_is_scoped_to_the_model_and_operation(
 ) -> None:
     """Issue 53: key K trained model ka, then K on kb answered ka's step and trained nothing. Now K
     names one call of one model and operation: kb trains its own step, ka's train_sft its own; K on
-    ka again with the same call is its result, with another call a 409 (RemoteError) from the server,
+    ka again with the same call is its result, with another call the server's 409, IdempotencyKeyReusedError as well,
     and, when only the run directory remembers K (a LocalBackend here), IdempotencyKeyReusedError
     before anything is written."""
     backend = jm.RemoteBackend(server.url, token=TOKEN, progress=False)
@@ -162,9 +162,9 @@ async def test_an_idempotency_key_is_scoped_to_the_model_and_operation(
     other = await kb.train(gb, config=config, idempotency_key="K")
     assert (first.step, other.step, await kb.get_step()) == (1, 1, 1) and other.metrics != first.metrics
     assert await ka.train(ga, config=config, idempotency_key="K") == first
-    with pytest.raises(jm.RemoteError) as e:
+    with pytest.raises(jm.IdempotencyKeyReusedError) as e:
         await ka.train(gb, config=config, idempotency_key="K")
-    assert e.value.type == "idempotency_key_reused" and "another train call to ka" in str(e.value)
+    assert e.value.field == "idempotency_key" and "another train call to ka" in e.value.reason
     assert (await ka.train_sft(ga, idempotency_key="K")).step == 2 and await ka.get_step() == 2
 
     local = jm.LocalBackend(path=tmp_path)  # no job table: the run directory's record answers

@@ -50,6 +50,7 @@ from journeyman.data.config import ModelConfig, TrainResult
 from journeyman.errors import (
     AuthenticationError,
     BackendUnavailableError,
+    IdempotencyKeyReusedError,
     InvalidFieldError,
     ProtocolMismatchError,
     RemoteError,
@@ -175,6 +176,10 @@ class RemoteBackend:
             )
         if r.status_code == 404 and err.get("type") == "model_not_found":
             raise UnknownModelError(str(err.get("model", "?")), list(err.get("served") or []))
+        if r.status_code == 409 and err.get("type") == "idempotency_key_reused":
+            raise IdempotencyKeyReusedError(
+                "idempotency_key", _Shown(str(err.get("value", "..."))), str(err.get("reason", message))
+            )
         if r.status_code in (400, 413):
             raise InvalidFieldError(
                 str(err.get("param") or "body"),
