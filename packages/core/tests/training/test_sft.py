@@ -47,6 +47,9 @@ def test_bad_settings_and_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(jm.InvalidFieldError) as e:
         jm.SFTConfig(epochs=0)
     assert e.value.field == "epochs" and e.value.value == 0
+    with pytest.raises(jm.InvalidFieldError, match="at most 100") as e:  # one call holds the lock: bounded
+        jm.SFTConfig(epochs=101)
+    assert e.value.field == "epochs"
     with pytest.raises(jm.InvalidFieldError) as e:
         jm.SFTConfig(warmup_ratio=1.5)
     assert e.value.field == "warmup_ratio"

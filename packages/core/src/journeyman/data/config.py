@@ -108,6 +108,10 @@ def check_name(field: str, value: str) -> str:
     return value
 
 
+# an SFT call's passes over its trajectories: the whole call holds the model's training lock
+MAX_SFT_EPOCHS = 100
+
+
 class LoraConfig(BaseModel):
     model_config = _STRICT
 
@@ -291,6 +295,10 @@ class SFTConfig(OwnErrorsModel):
     def _at_least_one(cls, v: int, info: Any) -> int:
         if v < 1:
             raise InvalidFieldError(info.field_name, v, "must be at least 1")
+        if info.field_name == "epochs" and v > MAX_SFT_EPOCHS:
+            raise InvalidFieldError(
+                "epochs", v, f"at most {MAX_SFT_EPOCHS}: one call holds the model's step lock"
+            )
         return v
 
     @field_validator("learning_rate", "max_grad_norm")
