@@ -426,7 +426,7 @@ def test_train_end_to_end_on_mcp_server_time_stdio_with_ruler(tmp_path: Path) ->
     same = report["evals"][-1]
     assert float(row[1]) == pytest.approx(same["success"], abs=0.005), (r.stdout, same)
     r = _mcp_rl([*common, "--step", str(latest + 5), "--", *TIME_SERVER], tmp_path)
-    assert r.returncode == 1 and "step" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "step" in r.stderr and "Traceback" not in r.stderr  # a usage error (App)
 
 
 @pytest.fixture
