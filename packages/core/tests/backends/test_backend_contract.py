@@ -197,8 +197,12 @@ async def test_a_step_with_nothing_to_learn_says_why_or_is_refused(run: Run) -> 
 
 
 _UNCLOSED = """
-import asyncio, sys
+import asyncio, signal, sys
 import journeyman as jm
+
+# Ctrl-C as a terminal delivers it: a suite started in the background by a non-interactive shell
+# (CI) hands its children SIGINT ignored, and the interrupted child then never hears it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 async def main() -> None:
     backend = jm.LocalBackend(path=sys.argv[1])  # never closed
