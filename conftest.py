@@ -27,41 +27,42 @@ if TYPE_CHECKING:
     from journeyman.chat.formats import ChatFormat
 
 
-# Seconds each long file took in a fresh-clone run on this 2-core machine (2026-11-26, third stop: per
-# test wall time from tests/_timeline.py; the soak after this stop's cut, an estimate). xdist hands
+# Seconds each long file took in a fresh-clone run on the development 2-core machine (2026-11-28,
+# issues 53-54; per test wall time from tests/_timeline.py; the backend contract without the 300 s
+# its Ctrl-C case then waited, the TypeScript file after it shared its server). xdist hands
 # files out in this order, longest first (`--no-loadscope-reorder`), so the two workers finish
 # together (they ended 4 s apart in that run): by test count, the one-test soak and learning files
 # came last and one worker ran them alone for 200 s while the other sat idle. Files not listed
 # (under 12 s) follow in collection order.
 FILE_SECONDS = {
     "packages/core/tests/engine/test_vllm.py": 413,
-    "packages/mcp/tests/test_mcp_rl.py": 343,
-    "tests/test_examples.py": 300,
-    "packages/mcp/tests/test_win_rate.py": 227,
-    "packages/core/tests/backends/test_distributed.py": 134,
-    "packages/core/tests/serving/test_endpoint.py": 123,
-    "packages/core/tests/app/test_demo_learns.py": 113,
-    "packages/agents-sdk/tests/test_agents_sdk.py": 87,
-    "tests/test_typescript.py": 86,
-    "packages/core/tests/backends/test_server.py": 83,
-    "tests/test_soak.py": 80,
-    "packages/langgraph/tests/test_langgraph.py": 74,
-    "packages/core/tests/client/test_pipeline_trainer.py": 73,
-    "packages/core/tests/chat/test_families.py": 70,
-    "packages/core/tests/engine/test_kv.py": 54,
+    "packages/mcp/tests/test_mcp_rl.py": 245,
+    "tests/test_examples.py": 265,
+    "packages/mcp/tests/test_win_rate.py": 115,
+    "packages/core/tests/backends/test_distributed.py": 137,
+    "packages/core/tests/serving/test_endpoint.py": 100,
+    "packages/core/tests/app/test_demo_learns.py": 77,
+    "packages/agents-sdk/tests/test_agents_sdk.py": 91,
+    "tests/test_typescript.py": 140,
+    "packages/core/tests/backends/test_server.py": 68,
+    "tests/test_soak.py": 89,
+    "packages/langgraph/tests/test_langgraph.py": 49,
+    "packages/core/tests/client/test_pipeline_trainer.py": 66,
+    "packages/core/tests/chat/test_families.py": 54,
+    "packages/core/tests/engine/test_kv.py": 39,
     "packages/core/tests/backends/test_train_step.py": 52,
-    "packages/core/tests/serving/test_fuzz.py": 38,  # 40 bodies a route, not 60, since 2026-11-28: an estimate
-    "packages/core/tests/backends/test_live_training.py": 46,
-    "tests/test_remote_integrations.py": 46,
-    "packages/core/tests/backends/test_drain.py": 32,  # a `journeyman serve` child, a model, a step
-    "tests/test_light_client.py": 45,
-    "packages/core/tests/rewards/test_ruler_local.py": 39,
-    "tests/test_gpu_check.py": 33,
-    "packages/core/tests/engine/test_constrained_decoding.py": 33,
-    "packages/core/tests/backends/test_backend_contract.py": 31,
-    "tests/test_art_compat.py": 29,
-    "tests/test_front_doors.py": 29,
-    "tests/test_docs.py": 27,
+    "packages/core/tests/serving/test_fuzz.py": 32,
+    "packages/core/tests/backends/test_live_training.py": 48,
+    "tests/test_remote_integrations.py": 41,
+    "packages/core/tests/backends/test_drain.py": 20,
+    "tests/test_light_client.py": 41,
+    "packages/core/tests/rewards/test_ruler_local.py": 31,
+    "tests/test_gpu_check.py": 26,
+    "packages/core/tests/engine/test_constrained_decoding.py": 19,
+    "packages/core/tests/backends/test_backend_contract.py": 60,
+    "tests/test_art_compat.py": 19,
+    "tests/test_front_doors.py": 22,
+    "tests/test_docs.py": 115,
     "packages/core/tests/training/test_sft.py": 24,
     "packages/core/tests/backends/test_server_security.py": 23,
     "packages/core/tests/integrations/test_langfuse.py": 22,
@@ -69,13 +70,11 @@ FILE_SECONDS = {
     "packages/mcp/tests/test_generated_checks.py": 21,
     "packages/core/tests/training/test_sharding.py": 19,
     "packages/core/tests/engine/test_vllm_handoff.py": 19,
-    "packages/core/tests/app/test_viewer.py": 17,
+    "packages/core/tests/app/test_viewer.py": 23,
     "packages/core/tests/serving/test_messages_api.py": 16,
     "packages/core/tests/rewards/test_ruler.py": 14,
     "packages/core/tests/training/test_packing.py": 13,
-    # stateful since 2026-11-28 (the model registered, every route, the viewer): 1.3x the stateless
-    # run's time beside it on a busy machine (188 s against 129-163 s), so an estimate
-    "packages/core/tests/backends/test_schema_fuzz.py": 58,
+    "packages/core/tests/backends/test_schema_fuzz.py": 37,
 }
 
 

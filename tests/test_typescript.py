@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -85,13 +84,12 @@ def _readme_example_commands() -> dict[str, str]:
 
 
 def test_the_example_builds_from_a_fresh_checkout_and_trains(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, remote_server: ServerProcess
 ) -> None:
     """README's build line, as pasted, in a copy of the tracked files of examples/ts and packages/ts
     (no node_modules, no dist): `npm run build` builds the client first. Then its start line with
-    small sizes (one step of one group of 2, 2 held-out prompts) against a real server of its own,
-    with one torch thread (two threads beside other busy processes wait on each other at every op:
-    the same run took over 15 minutes instead of 4 at load 13 on 2 cores)."""
+    small sizes (one step of one group of 2, one held-out prompt) against the module's server (its
+    own project, `ts-example`: a server of its own cost another ~12 s of CPU to start)."""
     tracked = subprocess.run(
         ["git", "ls-files", "-z", "examples/ts", "packages/ts"], cwd=ROOT, capture_output=True, check=True
     ).stdout.decode()
@@ -113,29 +111,23 @@ def test_the_example_builds_from_a_fresh_checkout_and_trains(
     env_part, args = commands["start"].split("npm start --", 1)
     assert env_part.startswith("JOURNEYMAN_URL=") and "<token>" in env_part, commands["start"]
     # README's arguments first (parseArgs is strict: a renamed flag fails), then small sizes (the last wins)
-    small = f"{args.strip()} --steps 1 --group-size 2 --prompts-per-step 1 --eval-prompts 2"
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    (tmp_path / "serve").mkdir()
-    server = ServerProcess(tmp_path / "serve", secrets.token_urlsafe(24)).start()
-    env = {**os.environ, "JOURNEYMAN_URL": server.url, "JOURNEYMAN_TOKEN": server.token}
+    small = f"{args.strip()} --steps 1 --group-size 2 --prompts-per-step 1 --eval-prompts 1"
+    env = {**os.environ, "JOURNEYMAN_URL": remote_server.url, "JOURNEYMAN_TOKEN": remote_server.token}
     log = tmp_path / "start.log"  # what it printed so far, also when it runs out of time
-    try:
-        with log.open("w") as out:
-            proc = subprocess.Popen(
-                ["bash", "-c", f"npm start -- {small}"],
-                cwd=tmp_path / "examples/ts",
-                env=env,
-                stdout=out,
-                stderr=out,
-                start_new_session=True,  # npm, sh and node: killed together
-            )
-            try:
-                proc.wait(timeout=900)  # ~5 min at load 14 on 2 cores
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    finally:
-        server.kill()
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            ["bash", "-c", f"npm start -- {small}"],
+            cwd=tmp_path / "examples/ts",
+            env=env,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,  # npm, sh and node: killed together
+        )
+        try:
+            proc.wait(timeout=900)  # ~5 min at load 14 on 2 cores
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     printed = log.read_text()
     assert proc.returncode == 0, printed[-6000:]
     assert "held-out reward before:" in printed and "held-out reward after:" in printed, printed
