@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from journeyman._extras import require_backend
 from journeyman.backends.live_training import live_run, outcome_of, start_live
-from journeyman.backends.service import ServedModel, ServingSettings
+from journeyman.backends.service import BaseRegistry, ServedModel, ServingSettings
 from journeyman.backends.store import RunStore
 from journeyman.backends.train_step import GRPOUpdate, SFTUpdate, log_groups, run_step
 from journeyman.client.operations import DECIDE, LIVE, LIVE_STATUS, LOG, REPORT_OUTCOME, TRAIN, TRAIN_SFT
@@ -94,6 +94,8 @@ class LocalBackend:
         )
         self.path = Path(path)
         self._services: dict[str, ServedModel] = {}
+        # One copy of each base's weights, whatever number of models are registered on it.
+        self._bases = BaseRegistry()
         # Closed when collected or at interpreter exit if the program never closes it (it raised, was
         # interrupted, or just ended): the engine's worker would otherwise still be in torch while
         # the interpreter tears torch down, and the process abort with "terminate called without an
@@ -147,7 +149,7 @@ class LocalBackend:
                 from journeyman.backends.service import assemble
 
                 served = await asyncio.to_thread(
-                    assemble, self.settings, model, self.run_dir(model), self.api_key
+                    assemble, self.settings, model, self.run_dir(model), self.api_key, self._bases
                 )
                 self._services[model.name] = served
                 await resume_live(served)

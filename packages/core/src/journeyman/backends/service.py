@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -262,16 +263,43 @@ class ServingSettings:
         return self.engine_kind == "torch" and self.engine_replicas == 1 and self.engine_threads is None
 
 
-def assemble(settings: ServingSettings, model: ModelConfig, run_dir: Path, api_key: str) -> ServedModel:
+class BaseRegistry:
+    """A backend's bases: one `BaseWeights` per (base directory, device, dtype), which every model
+    registered on it with that base shares (`policy/base_weights.py`)."""
+
+    def __init__(self) -> None:
+        self._bases: dict[tuple[str, str | None, str], BaseWeights] = {}
+        self._lock = threading.Lock()  # two models registering at once on one new base
+
+    def get(self, path: Path, device: str | None, dtype: str) -> BaseWeights:
+        from journeyman.policy.base_weights import BaseWeights
+
+        key = (str(Path(path).resolve()), device, dtype)
+        with self._lock:
+            if key not in self._bases:
+                self._bases[key] = BaseWeights(path, device, dtype)
+            return self._bases[key]
+
+    def all(self) -> list[BaseWeights]:
+        with self._lock:
+            return list(self._bases.values())
+
+
+def assemble(
+    settings: ServingSettings,
+    model: ModelConfig,
+    run_dir: Path,
+    api_key: str,
+    bases: BaseRegistry | None = None,
+) -> ServedModel:
     """Everything that serves `model`, resumed at its run's last step; its endpoint listens on
-    127.0.0.1 and demands `api_key`. Blocking (loads weights): run it on a worker thread."""
+    127.0.0.1 and demands `api_key`. Blocking (loads weights): run it on a worker thread. With
+    `bases` (the backend's), the model shares the weights of those already served on its base."""
     from journeyman.policy.weights import resolve_base_model
 
     path = resolve_base_model(model.base_model)  # a bad one is refused before torch loads
     # The heavy modules load here, when a model is first served, not at `import journeyman`.
-    from journeyman.policy.base_weights import BaseWeights
-
-    base = BaseWeights(path, settings.device, settings.dtype)
+    base = (bases or BaseRegistry()).get(path, settings.device, settings.dtype)
     check_memory_plan(settings, model, base)  # an impossible layout is refused before any weights load
     from journeyman.chat.formats import ChatFormat
     from journeyman.policy.lora import LoraPolicy

@@ -1,8 +1,12 @@
 """A base model's weights on one device and dtype: the frozen part every LoRA adapter on it shares.
 
-`LoraPolicy` takes its tokenizer and base module from here. Today each served model makes its own
-`BaseWeights` (one copy of the base per model, as before); the object is the unit several served
-models on one base will share, each with its own adapter.
+`LoraPolicy` takes its tokenizer and base module from here. A backend keeps one `BaseWeights` per
+(base, device, dtype) (`backends/service.py: BaseRegistry`), so the models registered on it with the same base hold one
+copy of its tensors: each further model's module is built around the first one's parameters, and
+costs its adapter, its optimizer state and its engine's KV, not another base.
+
+Shared weights are read-only: while two or more policies use them, none folds its adapter into
+them to sample (`LoraPolicy.sampling`), since a merged adapter would be every other model's too.
 """
 
 from __future__ import annotations
@@ -10,12 +14,17 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
+import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from journeyman.policy.precision import enable_tf32, resolve_precision
+
+if TYPE_CHECKING:
+    from journeyman.policy.lora import LoraPolicy
 
 
 def pick_device(device: str | None = None, rank: int | None = None) -> torch.device:
@@ -44,6 +53,10 @@ class BaseWeights:
             enable_tf32()
         self.dtype_name = precision.dtype
         self.dtype: torch.dtype = getattr(torch, precision.dtype)
+        # The first module's parameters, by name: every later module is built around them.
+        self._tensors: dict[str, torch.nn.Parameter] | None = None
+        self._users: list[weakref.ref[LoraPolicy]] = []
+        self._lock = threading.Lock()
 
     @functools.cached_property
     def config(self) -> dict[str, Any]:
@@ -58,12 +71,45 @@ class BaseWeights:
 
     def load_module(self) -> Any:
         """The causal LM on this device and dtype, in eval mode: a new module on every call (an
-        adapter is injected into the module it gets)."""
+        adapter is injected into the module it gets), all of them on one copy of the weights. A
+        later call loads the files again and then drops that copy for the first one's tensors, so
+        registering a model briefly holds a second base (what is resident after is one)."""
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
         # transformers wraps `.to` in a decorator whose stub leaves `self` unbound
-        return base.to(self.device)  # pyright: ignore[reportArgumentType]
+        base = base.to(self.device)  # pyright: ignore[reportArgumentType]
+        with self._lock:
+            if self._tensors is None:
+                self._tensors = dict(base.named_parameters())
+                return base
+            for name, p in base.named_parameters():  # tied weights are one parameter, named once
+                p.data = self._tensors[name].data
+        return base
+
+    def attach(self, policy: LoraPolicy) -> None:
+        """`policy` samples and trains on these weights from now on. Those already on them stop
+        folding their adapters in (`LoraPolicy.keep_unmerged`) before this returns, so `policy`'s
+        module never reads another model's adapter in the base."""
+        with self._lock:
+            others = [p for p in self.users() if p is not policy]
+            self._users = [weakref.ref(p) for p in (*others, policy)]
+        for other in others:
+            other.keep_unmerged()
+
+    def users(self) -> list[LoraPolicy]:
+        """The live policies on these weights, in the order they attached."""
+        return [p for ref in self._users if (p := ref()) is not None]
+
+    @property
+    def shared(self) -> bool:
+        """Two or more policies use these weights: they stay read-only (nobody merges)."""
+        return len(self.users()) > 1
+
+    def resident_bytes(self) -> int:
+        """Bytes of the one copy of the base's parameters (0 before a module loads)."""
+        tensors = self._tensors or {}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def __repr__(self) -> str:
         return f"BaseWeights({str(self.path)!r}, device={str(self.device)!r}, dtype={self.dtype_name!r})"

@@ -118,19 +118,28 @@ class LoraPolicy:
         self.editors_waiting = 0
         self._editors = threading.Condition()
         self._before_edit: list[weakref.WeakMethod[Callable[[], None]]] = []
+        self.base.attach(self)  # last: the base's other users stop merging before this one samples
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[None]:
         """Hold the weights to sample: the adapter merged into the base linear layers (W + BA), so
         each layer is one matmul, not three plus PEFT's dispatch. They stay merged from batch to
-        batch; whatever changes the adapter unmerges first (`editing`). Waits while an editor is
-        waiting: RLock is not fair, and an engine that releases and re-takes it between two batches
-        would otherwise starve a training step forever."""
+        batch; whatever changes the adapter unmerges first (`editing`). On a base other models
+        share (`BaseWeights.shared`) nothing is merged: the adapter runs beside the base layers.
+        Waits while an editor is waiting: RLock is not fair, and an engine that releases and
+        re-takes it between two batches would otherwise starve a training step forever."""
         with self._editors:
             self._editors.wait_for(lambda: self.editors_waiting == 0)
         with self.lock, self._attention_kernels():
-            self.merge.merge()
+            if not self.base.shared:
+                self.merge.merge()
             yield
+
+    def keep_unmerged(self) -> None:
+        """Take the adapter out of the base weights, once the batch sampling now ends (another
+        model is about to read them); `sampling` merges no more while the base is shared."""
+        with self._exclusive():
+            self.merge.unmerge()
 
     @contextlib.contextmanager
     def editing(self) -> Iterator[None]:

@@ -1,0 +1,112 @@
+"""Many models on one base: models registered on one `LocalBackend` share one copy of the base's
+weights, each keeps its own adapter, and training one leaves the others' answers as they were."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import journeyman as jm
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["Name a color.", "What is two plus two?"]
+
+
+@dataclass
+class Pair:
+    backend: jm.LocalBackend
+    a: jm.TrainableModel
+    b: jm.TrainableModel
+
+
+async def _greedy(model: jm.TrainableModel) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy completion: its recorded token ids and logprobs."""
+    out = []
+    for prompt in PROMPTS:
+        done = await model.openai_client().chat.completions.create(
+            model=model.name,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=12,
+            temperature=0.0,
+        )
+        record = jm.record_of(done.choices[0])
+        assert record is not None
+        out.append((record.token_ids, record.logprobs))
+    return out
+
+
+@pytest.fixture(scope="module")
+async def pair(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pair]:
+    backend = jm.LocalBackend(path=tmp_path_factory.mktemp("many"))
+    a = jm.TrainableModel(name="support", project="many", max_tokens=12)
+    b = jm.TrainableModel(name="triage", project="many", max_tokens=12)
+    await a.register(backend)
+    await b.register(backend)
+    yield Pair(backend, a, b)
+    backend.close()
+
+
+def _base_params(policy: Any) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in policy.model.named_parameters() if "lora_" not in n}
+
+
+async def test_models_on_one_base_hold_one_copy_of_its_weights(pair: Pair) -> None:
+    pa, pb = pair.backend.service(pair.a).policy, pair.backend.service(pair.b).policy
+    assert pa.base is pb.base and pa.base.shared and pa.base.users() == [pa, pb]
+    a_params, b_params = _base_params(pa), _base_params(pb)
+    assert a_params.keys() == b_params.keys() and len(a_params) > 100
+    assert all(a_params[n].data_ptr() == b_params[n].data_ptr() for n in a_params)
+    # each its own adapter
+    lora_a = {n: p for n, p in pa.model.named_parameters() if "lora_" in n}
+    lora_b = {n: p for n, p in pb.model.named_parameters() if "lora_" in n}
+    assert lora_a and all(lora_a[n].data_ptr() != lora_b[n].data_ptr() for n in lora_a)
+    # shared weights stay read-only: neither folds its adapter into them to sample
+    await _greedy(pair.a)
+    assert not pa.merge.merged and not pb.merge.merged
+
+
+async def test_training_one_model_leaves_the_others_answers_exactly_as_they_were(
+    pair: Pair, tmp_path: Path
+) -> None:
+    b_before = await _greedy(pair.b)
+    client = pair.a.openai_client()
+    groups = []
+    for prompt in PROMPTS:
+        ask: list[Any] = [{"role": "user", "content": prompt}]
+        done = await client.chat.completions.create(
+            model=pair.a.name, messages=ask, max_tokens=8, n=4, temperature=1.0
+        )
+        groups.append(
+            jm.TrajectoryGroup(
+                jm.Trajectory(messages_and_choices=[*ask, c], reward=float(len(c.message.content or "")))
+                for c in done.choices
+            )
+        )
+    result = await pair.a.train(groups, config=jm.TrainConfig(learning_rate=5e-3))
+    assert result.step == 1 and not result.skipped
+    assert await pair.b.get_step() == 0
+    assert await _greedy(pair.b) == b_before  # token ids and logprobs, bit for bit
+
+    # The trained model, served on the shared base, answers as it does served alone (merged, on a
+    # base of its own): the same tokens, the logprobs within float rounding.
+    a_shared = await _greedy(pair.a)
+    run = pair.backend.run_dir(pair.a)
+    alone_path = tmp_path / "alone"
+    shutil.copytree(run, alone_path / run.relative_to(pair.backend.path))
+    alone = jm.LocalBackend(path=alone_path)
+    try:
+        copy = jm.TrainableModel(name=pair.a.name, project=pair.a.project, max_tokens=12)
+        await copy.register(alone)
+        assert await copy.get_step() == 1 and not alone.service(copy).policy.base.shared
+        a_alone = await _greedy(copy)
+    finally:
+        alone.close()
+    for (ids, lps), (ids_alone, lps_alone) in zip(a_shared, a_alone, strict=True):
+        assert ids == ids_alone
+        assert max(abs(x - y) for x, y in zip(lps, lps_alone, strict=True)) < 1e-3
