@@ -17,14 +17,17 @@ import os
 import threading
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from journeyman.policy.precision import enable_tf32, resolve_precision
 
-if TYPE_CHECKING:
-    from journeyman.policy.lora import LoraPolicy
+
+class WeightsUser(Protocol):
+    """What shares the weights (`LoraPolicy`): told to stop folding its adapter into them."""
+
+    def keep_unmerged(self) -> None: ...
 
 
 def pick_device(device: str | None = None, rank: int | None = None) -> torch.device:
@@ -55,7 +58,7 @@ class BaseWeights:
         self.dtype: torch.dtype = getattr(torch, precision.dtype)
         # The first module's parameters, by name: every later module is built around them.
         self._tensors: dict[str, torch.nn.Parameter] | None = None
-        self._users: list[weakref.ref[LoraPolicy]] = []
+        self._users: list[weakref.ref[WeightsUser]] = []
         self._lock = threading.Lock()
 
     @functools.cached_property
@@ -87,7 +90,7 @@ class BaseWeights:
                 p.data = self._tensors[name].data
         return base
 
-    def attach(self, policy: LoraPolicy) -> None:
+    def attach(self, policy: WeightsUser) -> None:
         """`policy` samples and trains on these weights from now on. Those already on them stop
         folding their adapters in (`LoraPolicy.keep_unmerged`) before this returns, so `policy`'s
         module never reads another model's adapter in the base."""
@@ -97,7 +100,7 @@ class BaseWeights:
         for other in others:
             other.keep_unmerged()
 
-    def users(self) -> list[LoraPolicy]:
+    def users(self) -> list[WeightsUser]:
         """The live policies on these weights, in the order they attached."""
         return [p for ref in self._users if (p := ref()) is not None]
 
