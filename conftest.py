@@ -75,6 +75,7 @@ FILE_SECONDS = {
     "packages/core/tests/rewards/test_ruler.py": 14,
     "packages/core/tests/training/test_packing.py": 13,
     "packages/core/tests/backends/test_schema_fuzz.py": 37,
+    "packages/core/tests/backends/test_many_models.py": 40,  # alone, idle: 2026-11-28
 }
 
 
