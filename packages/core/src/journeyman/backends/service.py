@@ -280,10 +280,6 @@ class BaseRegistry:
                 self._bases[key] = BaseWeights(path, device, dtype)
             return self._bases[key]
 
-    def all(self) -> list[BaseWeights]:
-        with self._lock:
-            return list(self._bases.values())
-
 
 def assemble(
     settings: ServingSettings,

@@ -109,10 +109,5 @@ class BaseWeights:
         """Two or more policies use these weights: they stay read-only (nobody merges)."""
         return len(self.users()) > 1
 
-    def resident_bytes(self) -> int:
-        """Bytes of the one copy of the base's parameters (0 before a module loads)."""
-        tensors = self._tensors or {}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
-
     def __repr__(self) -> str:
         return f"BaseWeights({str(self.path)!r}, device={str(self.device)!r}, dtype={self.dtype_name!r})"
