@@ -7,8 +7,9 @@ every model the same rollouts at once (`--requests` concurrent completions of `-
 a model) and measures resident memory and aggregate completion tokens a second.
 
 Printed: per arm and N, RSS once every model has served (the weights are mmapped, so what was never
-read does not count before), what each model added on average past the first, tokens/s and the ratio one backend / a backend each at the same N; the memory that the
-N-th model adds, as a share of what the first one cost.
+read does not count before), what each model added on average past the first, tokens/s and the
+ratio one backend / a backend each at the same N; the memory that the N-th model adds, as a share
+of what the first one cost.
 
     uv run python bench/many_models.py                       # N = 1, 2, 4, 8; ~10 min on 2 cores
     uv run python bench/many_models.py --models 1 2 --json many.json --plot many.png
