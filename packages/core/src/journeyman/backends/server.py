@@ -386,7 +386,8 @@ _ERROR_SCHEMA: dict[str, Any] = {
 _ERRORS = {
     "400": "a field is wrong: `param` (and the message) names it",
     "401": "no token, or not one this server knows",
-    "403": "the token's scope does not allow this route",
+    "403": "the token's scope does not allow this route, or the token is scoped to other models "
+    "(the message names the model and the token)",
     "404": "the model the path or body names is not registered",
     "413": "the body is over the server's limit",
     "503": "the server is draining after SIGTERM (`Retry-After`: when to call again), or an engine is down",
