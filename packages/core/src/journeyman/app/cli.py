@@ -447,14 +447,25 @@ _TOKEN_PATH = Annotated[Path, typer.Option(help="the server's run directory root
 def token_add(
     name: Annotated[str, typer.Argument(help="who holds it (named in the history rows it trains)")],
     scope: Annotated[str, typer.Option(help="sample, train or admin")] = "sample",
+    models: Annotated[
+        str | None,
+        typer.Option(help="comma-separated models it alone may touch (default: every model; not with admin)"),
+    ] = None,
     path: _TOKEN_PATH = Path(".journeyman"),
 ) -> None:
     """Add an API token and print its secret (shown once; the server keeps only its sha256)."""
+    from journeyman.errors import InvalidFieldError
     from journeyman.serving.api_tokens import SCOPES, TokenBook
 
     if scope not in SCOPES:
         raise typer.BadParameter(f"use one of {', '.join(SCOPES)}", param_hint="--scope")
-    typer.echo(TokenBook(RunRoot(path).tokens).add(name, scope))  # pyright: ignore[reportArgumentType]
+    names = None if models is None else [m.strip() for m in models.split(",") if m.strip()]
+    try:
+        secret = TokenBook(RunRoot(path).tokens).add(name, scope, names)  # pyright: ignore[reportArgumentType]
+    except InvalidFieldError as e:  # the option, not the library's field, is what the user typed
+        hint = {"models": "--models", "scope": "--scope", "name": "NAME"}.get(e.field, e.field)
+        raise typer.BadParameter(str(e), param_hint=hint) from None
+    typer.echo(secret)
 
 
 @token_app.command("revoke")
@@ -470,7 +481,7 @@ def token_revoke(
 
 @token_app.command("list")
 def token_list(path: _TOKEN_PATH = Path(".journeyman")) -> None:
-    """The API tokens in the file: name, scope, when added (never the secrets)."""
+    """The API tokens in the file: name, scope, when added, its models (never the secrets)."""
     import time
 
     from journeyman.serving.api_tokens import TokenBook
@@ -479,7 +490,10 @@ def token_list(path: _TOKEN_PATH = Path(".journeyman")) -> None:
     if not tokens:
         typer.echo(f"no API tokens under {path} (`journeyman token add NAME` makes one)", err=True)
     for t in tokens:
-        typer.echo(f"{t.name}\t{t.scope}\t{time.strftime('%Y-%m-%d %H:%M', time.localtime(t.created_at))}")
+        added = time.strftime("%Y-%m-%d %H:%M", time.localtime(t.created_at))
+        typer.echo(
+            f"{t.name}\t{t.scope}\t{added}\t{','.join(t.models) if t.models is not None else '(every model)'}"
+        )
 
 
 live_app = App(

@@ -11,7 +11,10 @@ Security (README's threat model): every route, the OpenAI ones included, needs
 `Authorization: Bearer <token>` of a scope that allows it (`serving/api_tokens.py`: sample < train < admin; a
 401 says nothing more, a 403 names the scope needed). Bodies are read whole before any route runs,
 capped as read (413), with an idle timeout (408); a connection must send its request head within
-`HEADER_TIMEOUT_S`. The server binds 127.0.0.1 unless told otherwise and speaks TLS when given a
+`HEADER_TIMEOUT_S`. A token scoped to models (`ApiToken.models`) touches those alone: `_check_tenant`
+is the one rule, applied where every request names its model (`answer` for the Backend routes, the
+path or the registered config; `_TenantServed` for the OpenAI routes, the body's `model` as the
+backend reads it; `_PerToken` for the viewer's runs), a 403 naming the model and the token. The server binds 127.0.0.1 unless told otherwise and speaks TLS when given a
 certificate and key.
 """
 
@@ -30,6 +33,7 @@ import sys
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -52,12 +56,14 @@ from journeyman.errors import (
     UnknownModelError,
 )
 from journeyman.rollout.capture import owned_by
-from journeyman.serving.api_tokens import Scope, TokenBook
+from journeyman.serving.api_tokens import ApiToken, Scope, TokenBook, may_touch
 from journeyman.serving.drain import Drain, DrainingServer
 from journeyman.serving.guard import (
     DEFAULT_MAX_BODY_BYTES,
+    VIEW_PREFIX,
     Guard,
     HeaderTimeoutH11,
+    error_dialect,
     json_error,
     needed_scope,
     token_book,
@@ -145,6 +151,82 @@ class TrainJob:
 class NewTokenBody(BaseModel):
     name: str = Field(description="who will hold it (letters, digits, '.', '_', '-')")
     scope: Scope = Field(description="sample < train < admin")
+    models: list[str] | None = Field(
+        default=None, description="the models it may touch (left out: every model); never with scope admin"
+    )
+
+
+class NewToken(BaseModel):
+    name: str
+    scope: Scope
+    models: list[str] | None
+    token: str = Field(description="the secret, shown this once")
+
+
+_CALLER: ContextVar[ApiToken | None] = ContextVar("journeyman_caller", default=None)
+"""The API token of the request being answered (`_PerToken`); None: no Guard in front (tests)."""
+
+
+class ModelForbiddenError(JourneymanError, PermissionError):
+    """A token scoped to models named another one."""
+
+    def __init__(self, model: str, token: ApiToken, what: str | None = None) -> None:
+        self.model, self.token = model, token.name
+        what = what or f"model={model!r}"
+        super().__init__(f"{what}: the token {token.name!r} may touch only the models {token.models}")
+
+
+def _check_tenant(model: object) -> None:
+    """The one rule of tenants: the caller's token, if scoped to models, names `model` (a name or
+    `name@step`; anything else, a base model's own name included, is another tenant's)."""
+    token = _CALLER.get()
+    if (
+        token is not None
+        and token.models is not None
+        and not (isinstance(model, str) and may_touch(token, model))
+    ):
+        raise ModelForbiddenError(str(model), token)
+
+
+def _visible(names: list[str]) -> list[str]:
+    """Of `names`, those the caller may touch (all, for a token without a model list)."""
+    token = _CALLER.get()
+    return names if token is None else [n for n in names if may_touch(token, n)]
+
+
+def _check_unscoped(what: str) -> None:
+    """Token management is every tenant's business: a token scoped to models (only a hand-edited
+    tokens.json gives an admin one) may not do it."""
+    token = _CALLER.get()
+    if token is not None and token.models is not None:
+        raise ModelForbiddenError(
+            "", token, f"{what} are every model's: managing them needs an unscoped token"
+        )
+
+
+class _TenantServed:
+    """The backend as the OpenAI routes see it: a chat completion checks the model its body names,
+    as the backend will read it, and `/v1/models` lists the caller's models alone. Every OpenAI
+    route (chat, Responses, Messages, streamed or not) samples through `chat_completion`."""
+
+    def __init__(self, backend: ServedBackend) -> None:
+        self.backend = backend
+
+    async def chat_completion(
+        self,
+        body: dict[str, Any],
+        capture_id: str | None = None,
+        response_id: str | None = None,
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> dict[str, Any]:
+        _check_tenant(body.get("model"))
+        try:
+            return await self.backend.chat_completion(body, capture_id, response_id, on_text)
+        except UnknownModelError as e:  # its list of served models: the caller's alone
+            raise UnknownModelError(e.name, _visible(e.served)) from None
+
+    def served_names(self) -> list[str]:
+        return _visible(self.backend.served_names())
 
 
 def create_app(
@@ -160,8 +242,8 @@ def create_app(
     from journeyman.serving.endpoint import build_app
 
     book = token_book(tokens)
-    app = build_app(backend)  # the OpenAI routes: each request goes to the model it names
-    app.add_middleware(_OwnCaptures)
+    app = build_app(_TenantServed(backend))  # the OpenAI routes: each request goes to the model it names
+    app.add_middleware(_PerToken, book=book, root=backend.path)
     jobs: dict[JobName, TrainJob] = {}
     app.state.train_jobs = jobs  # what a drain waits for (`serve`)
 
@@ -177,7 +259,15 @@ def create_app(
     @app.exception_handler(UnknownModelError)
     async def unknown(_: Request, e: UnknownModelError) -> JSONResponse:
         log.info("refused: %s", e)
+        e = UnknownModelError(e.name, _visible(e.served))  # other tenants' models go unnamed
         return json_error(404, str(e), "model", "model_not_found", model=e.name, served=e.served)
+
+    @app.exception_handler(ModelForbiddenError)
+    async def forbidden(request: Request, e: ModelForbiddenError) -> JSONResponse:
+        log.info("refused: %s", e)  # shaped as the Guard's scope 403, in the route's dialect
+        return error_dialect(request.url.path)(
+            403, str(e), "model", kind="forbidden", model=e.model, token=e.token
+        )
 
     @app.exception_handler(InvalidFieldError)
     async def invalid(_: Request, e: InvalidFieldError) -> JSONResponse:
@@ -191,21 +281,25 @@ def create_app(
     @app.get(f"{PREFIX}/info")
     async def info() -> ServerInfo:
         return ServerInfo(
-            journeyman=version("journeyman"), protocol=PROTOCOL_VERSION, models=backend.registered()
+            journeyman=version("journeyman"), protocol=PROTOCOL_VERSION, models=_visible(backend.registered())
         )
 
     @app.get(f"{PREFIX}/tokens")
     async def list_tokens() -> list[dict[str, Any]]:
+        _check_unscoped("tokens")
         return [t.model_dump(exclude={"sha256"}) for t in book.tokens()]
 
     @app.post(f"{PREFIX}/tokens")
-    async def add_token(request: Request) -> dict[str, str]:
+    async def add_token(request: Request) -> NewToken:
+        _check_unscoped("tokens")
         req = await _body(request, NewTokenBody, max_body_bytes)
-        secret = await asyncio.to_thread(book.add, req.name, req.scope)
-        return {"name": req.name, "scope": req.scope, "token": secret}
+        secret = await asyncio.to_thread(book.add, req.name, req.scope, req.models)
+        added = next(t for t in book.tokens() if t.name == req.name)
+        return NewToken(name=added.name, scope=added.scope, models=added.models, token=secret)
 
     @app.delete(f"{PREFIX}/tokens/{{name}}")
     async def revoke_token(name: str) -> dict[str, bool]:
+        _check_unscoped("tokens")
         if not await asyncio.to_thread(book.revoke, name):
             raise InvalidFieldError("name", name, "no token of that name")
         return {"revoked": True}
@@ -259,11 +353,14 @@ def create_app(
         """A Backend operation's route: the model its path names (unknown: 404, before the body is
         read), the arguments its body holds, the method called. A training call runs as a job named
         by its idempotency key, recording the caller's token as `trained_by`, and answers its stream."""
+        if name is not None:
+            _check_tenant(name)  # before the model is looked up: another tenant's gets no 404
         arguments: dict[str, Any] = {} if name is None else {"model": backend.registered_model(name)}
         body = None if op.body is None else await _body(request, op.body, max_body_bytes)
         if body is not None:
             arguments.update(body.arguments())
         if op is REGISTER:
+            _check_tenant(arguments["model"].name)
             return await _register(backend, arguments["model"])
         if "trained_by" in inspect.signature(op.declared).parameters:  # who asked: the caller's token
             arguments["trained_by"] = _token_name(request)
@@ -437,16 +534,70 @@ def _body_sha256(body: BaseModel) -> str:
     return hashlib.sha256(body.model_dump_json().encode()).hexdigest()
 
 
-class _OwnCaptures:
+class _PerToken:
     """ASGI: each request is answered for its API token (the Guard's `state.token`): the captures it
-    files, pops and reports outcomes for are that token's own (`rollout/capture.py`)."""
+    files, pops and reports outcomes for are that token's own (`rollout/capture.py`), and a token
+    scoped to models sees theirs alone (`_CALLER`, `_check_tenant`), in the viewer too: a run's pages
+    and data are its model's, and the list of runs is cut to the caller's."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def __init__(self, app: Any, book: TokenBook, root: Path) -> None:
+        self.app, self.book, self.root = app, book, root
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        with owned_by(scope.get("state", {}).get("token")):
-            await self.app(scope, receive, send)
+        name = scope.get("state", {}).get("token")
+        caller = None if name is None else next((t for t in self.book.tokens() if t.name == name), None)
+        reset = _CALLER.set(caller)
+        try:
+            with owned_by(name):
+                if caller is not None and caller.models is not None and scope["type"] == "http":
+                    return await self._viewer(scope, receive, send)
+                await self.app(scope, receive, send)
+        finally:
+            _CALLER.reset(reset)
+
+    async def _viewer(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """A scoped caller's request, the viewer's API checked (its runs are named by id, not model)."""
+        parts = [p for p in scope["path"].split("/") if p]
+        if parts[:3] != [VIEW_PREFIX.strip("/"), "api", "runs"]:
+            return await self.app(scope, receive, send)
+        if len(parts) > 3:
+            from journeyman.app.view.runs import RunFiles  # the viewer's own ids, lazily: only it needs them
+
+            try:
+                run = await asyncio.to_thread(RunFiles([self.root]).get, parts[3])
+            except InvalidFieldError:  # no such run: the viewer's own 404
+                return await self.app(scope, receive, send)
+            try:
+                _check_tenant(run.name)  # a run directory is named after its model
+            except ModelForbiddenError as e:
+                response = error_dialect(scope["path"])(
+                    403, str(e), "model", kind="forbidden", model=e.model, token=e.token
+                )
+                return await response(scope, receive, send)
+            return await self.app(scope, receive, send)
+        await _filtered_runs(self.app, scope, receive, send)
+
+
+async def _filtered_runs(app: Any, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The viewer's list of runs, cut to those of the caller's models (the answer is buffered: a
+    list of summaries)."""
+    start: dict[str, Any] = {}
+    chunks: list[bytes] = []
+
+    async def keep(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            start.update(message)
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, keep)
+    body = b"".join(chunks)
+    if start.get("status") == 200:
+        runs = json.loads(body)
+        body = json.dumps([r for r in runs if _visible([r["name"]])]).encode()
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+    await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _forget_finished(jobs: dict[JobName, TrainJob]) -> None:

@@ -4,6 +4,14 @@ Scopes nest: `sample` may call the OpenAI routes and read (models, steps, histor
 `train` may also register models, train, log and switch the served step; `admin` may also delete
 checkpoints and manage tokens. `$JOURNEYMAN_TOKEN` is an admin token named `env`.
 
+A token may name the models it serves (`journeyman token add NAME --models a,b`): tenants stay
+apart. Such a token touches those models alone, by name (`a`, `a@<step>`): it samples them, reads
+their steps, history, captures and viewer pages, and (scope allowing) registers, trains and logs
+them; any other model, a base model's own name included, is a 403 naming the model and the token,
+and `/v1/models` (and `info`) list its models alone. A token without a list reaches every model, as
+before the field existed (files without it load unchanged). An admin token is never scoped to
+models: it manages tokens, which are every tenant's, so `add` refuses `admin` with `models`.
+
 Captures are a token's own, whatever its scope: the calls a token's requests file under a capture
 id are popped, and scored as a live episode, by that token alone (`rollout/capture.py`); another
 token sending the same id files and finds its own calls.
@@ -22,6 +30,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -53,6 +62,30 @@ class ApiToken(BaseModel):
     scope: Scope = Field(description="sample < train < admin: what it may call")
     sha256: str = Field(description="hex sha256 of the secret")
     created_at: float = Field(default_factory=time.time, description="unix time it was added")
+    models: list[str] | None = Field(
+        default=None, description="the models it may touch (None: every model, as tokens.json before it)"
+    )
+
+
+def may_touch(token: ApiToken, model: str) -> bool:
+    """Whether `token` may touch the model a request names (`name` or `name@step`)."""
+    return token.models is None or model.split("@", 1)[0] in token.models
+
+
+def check_models(scope: Scope, models: Sequence[str] | None) -> list[str] | None:
+    """A token's model list as stored (names checked, duplicates dropped), refused where it cannot be."""
+    if models is None:
+        return None
+    if isinstance(models, str):  # a bare string would be read as its letters
+        raise InvalidFieldError("models", models, "must be a list of model names")
+    names = list(dict.fromkeys(check_name("models", m) for m in models))
+    if not names:
+        raise InvalidFieldError("models", models, "name at least one model, or leave it out for every model")
+    if scope == "admin":
+        raise InvalidFieldError(
+            "models", names, "an admin token manages every tenant's tokens: it cannot be scoped to models"
+        )
+    return names
 
 
 class TokenBook:
@@ -93,11 +126,13 @@ class TokenBook:
             self._refresh()
             return [*([self._env] if self._env else []), *self._tokens]
 
-    def add(self, name: str, scope: Scope) -> str:
-        """Add a token named `name` with `scope`; returns its secret (shown once, stored hashed)."""
+    def add(self, name: str, scope: Scope, models: Sequence[str] | None = None) -> str:
+        """Add a token named `name` with `scope`, for `models` alone if given (every model if None);
+        returns its secret (shown once, stored hashed)."""
         check_name("name", name)
         if scope not in SCOPES:
             raise InvalidFieldError("scope", scope, f"use one of {list(SCOPES)}")
+        names = check_models(scope, models)
         if name == ENV_TOKEN_NAME:
             raise InvalidFieldError("name", name, "is the name of $JOURNEYMAN_TOKEN; pick another")
         secret = secrets.token_urlsafe(32)
@@ -105,7 +140,9 @@ class TokenBook:
             self._refresh()
             if any(t.name == name for t in self._tokens):
                 raise InvalidFieldError("name", name, "a token of that name exists: revoke it first")
-            self._write([*self._tokens, ApiToken(name=name, scope=scope, sha256=_digest(secret))])
+            self._write(
+                [*self._tokens, ApiToken(name=name, scope=scope, sha256=_digest(secret), models=names)]
+            )
         return secret
 
     def revoke(self, name: str) -> bool:
@@ -151,4 +188,4 @@ class TokenBook:
         self._tokens, self._seen = tokens, None  # re-read on next use: the mtime may not have moved
 
 
-__all__ = ["SCOPES", "ApiToken", "Scope", "TokenBook", "allows"]
+__all__ = ["SCOPES", "ApiToken", "Scope", "TokenBook", "allows", "check_models", "may_touch"]
