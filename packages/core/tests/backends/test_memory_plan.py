@@ -279,3 +279,110 @@ def test_activation_formula_matches_what_autograd_keeps(family: str, dtype: str)
     layer = (p.activations - final_norm) // 3  # without checkpointing: (L + 1) layers and the final norm
     planned, measured = 2 * layer + final_norm, sum(kept.values())
     assert abs(measured - planned) <= 0.05 * measured, (measured, planned)
+
+
+# -- many models on one base (issue 55) ------------------------------------------------------------
+SEVEN_B = PRESETS["qwen2.5-7b-instruct"]
+
+
+def many(models: int, engine: str = "torch", **layout: Any) -> MemoryPlan:
+    """The 7B preset with `journeyman plan`'s defaults (LoRA r=8 on all-linear, 4k rows, 80 GiB),
+    `models` models on its base."""
+    return plan_memory(SEVEN_B, TrainingSetup(), Layout(engine=engine, **layout), models=models)  # pyright: ignore[reportArgumentType]
+
+
+def test_eight_models_add_seven_adapters_optimizers_and_kv_caches_not_a_base() -> None:
+    """models=8 on the torch engine: the base once; seven more adapters, AdamW states and KV pools,
+    to the byte; gradients and activations once (one model trains at a time). On a shared base no
+    adapter is merged, so the one model's merge log goes."""
+    one, eight = many(1), many(8)
+    assert eight.weights == one.weights and eight.engine_weights == one.engine_weights == 0
+    assert (eight.gradients, eight.activations) == (one.gradients, one.activations)
+    assert (eight.adapter, eight.optimizer, eight.engine_kv_cache) == (
+        8 * one.adapter,
+        8 * one.optimizer,
+        8 * one.engine_kv_cache,
+    )
+    each = one.adapter + one.optimizer + one.engine_kv_cache
+    assert eight.per_model == each
+    assert one.engine_adapters > 0 == eight.engine_adapters  # merge log: none on a shared base
+    assert eight.sampling_peak - one.sampling_peak == 7 * each - one.engine_adapters
+    assert 7 * each < one.weights + 7 * each  # not a base: the weights are not in it
+    assert eight.kv_tokens == one.kv_tokens  # each model's pool as large as the one model's
+    # vLLM: one server, one KV pool; each model adds its adapter and AdamW state to the trainer, and
+    # an adapter slot inside vLLM's share (its KV pool gives the room), nothing more
+    one, eight = many(1, "vllm"), many(8, "vllm")
+    each = one.adapter + one.optimizer
+    assert eight.sampling_peak - one.sampling_peak == 7 * each == 7 * eight.per_model
+    assert eight.engine_weights == one.engine_weights
+    assert eight.engine_adapters == 4 * one.engine_adapters  # max_loras=2 slots -> 8
+    assert one.engine_kv_cache - eight.engine_kv_cache == eight.engine_adapters - one.engine_adapters
+
+
+def test_the_eighth_model_costs_a_share_of_the_first() -> None:
+    """What the 8th model adds against the first model's peak: with vLLM (one KV pool) its adapter
+    and AdamW state, 0.4% (under 5%); with the torch engine its own 64-row x 4096 KV pool (14 GiB)
+    makes it 39.6%: the KV cache, not the adapter, is what a model costs there."""
+    for engine, share in (("vllm", 0.0041), ("torch", 0.396)):
+        first, seven, eight = many(1, engine), many(7, engine), many(8, engine)
+        eighth = eight.sampling_peak - seven.sampling_peak
+        assert eighth == eight.per_model
+        assert eighth / first.peak == pytest.approx(share, abs=0.0005), engine
+    assert many(8, "vllm").per_model < 0.05 * many(1, "vllm").peak
+
+
+def test_models_that_cannot_fit_are_refused_naming_models() -> None:
+    """Eight 64-row KV pools of the torch engine do not fit 80 GiB; four do: the refusal names
+    models=4, and the CLI's advice --models 4. With vLLM the trainer's AdamW states are the limit."""
+    with pytest.raises(ImpossiblePlanError) as e:
+        many(8).check()
+    assert e.value.changes[0].startswith("models=4 (fewer models on this base")
+    assert "8 models' adapters and AdamW state" in str(e.value) and "models=4" in str(e.value)
+    assert many(4).check().fits and not many(5).fits
+    # vLLM: 256 adapters' AdamW states (58 GiB) no longer fit beside its share; 92 do
+    with pytest.raises(ImpossiblePlanError, match=r"256 models' adapters") as e:
+        many(256, "vllm").check()
+    assert e.value.changes == [
+        "models=92 (fewer models on this base: each adds its adapter, AdamW state and KV cache)"
+    ]
+    assert many(92, "vllm").fits
+
+
+@pytest.mark.parametrize("models", [0, -1, 10**6, 257, True, 2.0])
+def test_a_bad_model_count_is_refused_naming_models(models: Any) -> None:
+    with pytest.raises(InvalidFieldError, match=r"^models=") as e:
+        many(models)
+    assert e.value.field == "models" and e.value.value == models
+    with pytest.raises(InvalidFieldError, match=r"^models="):
+        plan_for_backend(
+            SEVEN_B,
+            ModelConfig(name="m", project="p"),
+            device="cpu",
+            dtype="float32",
+            trainer=TrainerConfig(),
+            vllm=None,
+            models=models,
+        )
+
+
+def test_cli_plans_many_models() -> None:
+    runner = CliRunner()
+    args = ["plan", "--preset", "qwen2.5-7b-instruct", "--models", "8"]
+    fits = runner.invoke(app, [*args, "--engine", "vllm"])
+    assert fits.exit_code == 0, fits.output
+    for line in (
+        "trainer: LoRA adapter (fp32) x 8",
+        "trainer: AdamW state (fp32) x 8",
+        "engine: adapter slots x 8",
+    ):
+        assert line in fits.output
+    assert "each model after the first adds" in fits.output and "verdict: fits" in fits.output
+    torch = runner.invoke(app, args)  # the torch engine: a KV pool per model, 8 do not fit
+    assert torch.exit_code == 1 and "engine: KV cache x 8" in torch.output
+    assert "change: --models 4" in torch.output
+    one = runner.invoke(app, ["plan", "--preset", "qwen2.5-7b-instruct"])
+    assert one.output == runner.invoke(app, [*args[:3], "--models", "1"]).output  # models=1: as before
+    assert " x " not in one.output.split("GPU 0")[1] and "models:" not in one.output
+    for bad in ("0", "1000000"):
+        refused = runner.invoke(app, [*args[:3], "--models", bad])
+        assert refused.exit_code == 2 and f"models={bad}" in refused.output and "--models" in refused.output

@@ -317,6 +317,14 @@ def plan(
     lora_target_modules: Annotated[
         list[str] | None, typer.Option(help="modules LoRA adapts (repeatable); default all-linear")
     ] = None,
+    models: Annotated[
+        int,
+        typer.Option(
+            help="models sharing this base on one backend: each adds its adapter, optimizer state and "
+            "KV cache, not a base",
+            rich_help_panel="Layout",
+        ),
+    ] = 1,
     *,
     setup: dict[str, Any],
     lora: dict[str, Any],
@@ -345,7 +353,12 @@ def plan(
             raise typer.BadParameter(str(e), param_hint="'--preset'") from None
     adapter = PLAN_LORA.build(lora, target_modules=lora_target_modules or "all-linear")
     training = PLAN_SETUP.build(setup, lora=adapter)
-    result = plan_memory(config, training, PLAN_LAYOUT.build(layout), flag=_plan_flag)
+    try:
+        result = plan_memory(config, training, PLAN_LAYOUT.build(layout), flag=_plan_flag, models=models)
+    except InvalidFieldError as e:
+        if e.field != "models":
+            raise
+        raise typer.BadParameter(str(e), param_hint="'--models'") from None
     typer.echo(result.table())
     if not result.fits:
         raise typer.Exit(1)

@@ -8,6 +8,11 @@ bound a step: training (the engine asleep) and sampling (the engine awake beside
 resident state). `MemoryPlan.check()` refuses a plan that does not fit with `ImpossiblePlanError`,
 naming the changes that would make it fit, each tried on the plan itself.
 
+`models=N`: N models registered on one backend with the same base share one copy of its weights
+(issue 55); each further model adds its own adapter and AdamW state, and its own KV cache where its
+engine keeps one (the torch engine); vLLM serves them all from one server, N adapters resident
+beside one KV pool.
+
 Pure arithmetic on shapes (no torch), so `journeyman plan` answers in a second on any machine and
 `LocalBackend.register` asks before it loads a byte. What is an estimate, not a measurement: the
 CUDA context of each process, vLLM's runtime (profile-run activations, sampler, CUDA graphs) and
@@ -56,6 +61,8 @@ _PROCESS_OVERHEAD = GiB
 _HEADROOM = 0.05
 # rows of logits per chunk in training/loss.py's `head_logprobs`: 16 MiB of fp32 logits
 _HEAD_CHUNK_BYTES = 1 << 24
+# the most models one plan sizes on a base (`models`): more than any one GPU holds adapters for
+MAX_MODELS = 256
 # vLLM sizes its KV cache after a profile run of this many tokens (its server's default
 # max_num_batched_tokens) and keeps sampler logits for this many sequences (max_num_seqs)
 _VLLM_PROFILE_TOKENS = 8192
@@ -367,6 +374,16 @@ class MemoryPlan(BaseModel):
     engine_kv_cache: int
     engine_asleep: int = Field(description="what the engine keeps while the trainer runs")
     kv_bytes_per_token: int
+    models: int = Field(
+        default=1,
+        description="models sharing this base on one backend: each adds its adapter, optimizer state "
+        "and KV cache, not a base",
+    )
+    per_model: int = Field(
+        default=0,
+        description="what each model after the first adds to GPU 0 while sampling: its adapter and "
+        "AdamW state, and the torch engine's KV cache (a worker replica: its whole engine)",
+    )
     # the verdict
     training_peak: int
     sampling_peak: int
@@ -386,7 +403,12 @@ class MemoryPlan(BaseModel):
 
     @property
     def kv_tokens(self) -> int:
-        return max(0, self.engine_kv_cache) // max(1, self.kv_bytes_per_token)
+        """Tokens of one KV pool: vLLM's one, or each model's torch engine's."""
+        return max(0, self.engine_kv_cache) // self._kv_pools() // max(1, self.kv_bytes_per_token)
+
+    def _kv_pools(self) -> int:
+        """KV pools the engine's share holds: one per model for the torch engine, vLLM's one."""
+        return self.models if self.layout.engine == "torch" else 1
 
     def check(self) -> MemoryPlan:
         """This plan, or ImpossiblePlanError naming what does not fit and what to change."""
@@ -432,26 +454,45 @@ class MemoryPlan(BaseModel):
         ckpt = "on" if s.gradient_checkpointing else "off"
         if s.gradient_checkpointing and s.offload_activations:
             ckpt += ", layer inputs offloaded to host"
+        # with several models on the base: what each of them holds is marked "x N", its bytes all N's
+        n = self.models
+        each = f" x {n}" if n > 1 else ""
+        replicas = lay.engine == "torch" and lay.data_parallel_size > 1  # a worker replica per model
+        engine_each = each if replicas else ""
+        if n == 1:
+            adapters = "engine: adapter slots / merge log"
+        elif lay.engine == "vllm":
+            adapters = f"engine: adapter slots{each}"
+        elif replicas:
+            adapters = f"engine: adapters (fp32){each}"
+        else:
+            adapters = "engine: merge log (none: the base is shared)"
         rows = [
             (
                 "trainer: base weights" + (f" (1/{lay.trainer_ranks} shard)" if self._sharded() else ""),
                 self.weights,
             ),
             ("trainer: layer gathered whole (sharded base)", self.gathered_weights),
-            ("trainer: LoRA adapter (fp32)", self.adapter),
-            ("trainer: LoRA gradients (fp32)", self.gradients),
-            ("trainer: AdamW state (fp32)", self.optimizer),
+            (f"trainer: LoRA adapter (fp32){each}", self.adapter),
+            ("trainer: LoRA gradients (fp32)" + (", one step" if n > 1 else ""), self.gradients),
+            (f"trainer: AdamW state (fp32){each}", self.optimizer),
             (f"trainer: activations ({s.tokens} tokens)", self.activations),
             ("trainer: LM head logits (chunked)", self.head_logits),
             ("trainer: CUDA context" if lay.device == "cuda" else "trainer: process", self.trainer_overhead),
             (
-                "engine: weights" + (" (shared with the trainer)" if self.engine_weights == 0 else ""),
+                "engine: weights"
+                + (" (shared with the trainer)" if self.engine_weights == 0 else "")
+                + engine_each,
                 self.engine_weights,
             ),
-            ("engine: adapter slots / merge log", self.engine_adapters),
-            ("engine: runtime (activations, graphs)", self.engine_runtime),
-            ("engine: KV cache", max(0, self.engine_kv_cache)),
-            ("engine: kept while training (asleep)", self.engine_asleep),
+            (adapters, self.engine_adapters),
+            (f"engine: runtime (activations, graphs){engine_each}", self.engine_runtime),
+            (
+                "engine: KV cache"
+                + (each if self._kv_pools() > 1 else " (one pool for all models)" if n > 1 else ""),
+                max(0, self.engine_kv_cache),
+            ),
+            (f"engine: kept while training (asleep){engine_each}", self.engine_asleep),
         ]
         where = "host" if lay.device == "cpu" else "GPU 0"
         lines = [
@@ -460,10 +501,18 @@ class MemoryPlan(BaseModel):
             f"layout: {self._node()}; {lay.trainer_ranks} trainer rank{'s' if lay.trainer_ranks > 1 else ''} "
             f"(base {'sharded' if self._sharded() else 'copied to each'}); {engine}",
             f"rows: max_seq_len={s.max_seq_len}, micro_batch_tokens={s.micro_batch_tokens}; gradient checkpointing {ckpt}",
-            "",
-            f"  {where:<44}{'GiB':>9}",
         ]
+        if n > 1:
+            lines.append(
+                f"models: {n} on this base, the trainer's copy of it counted once; each holds its adapter and AdamW "
+                + ("state and its KV cache (x " if lay.engine == "torch" else "state (x ")
+                + f"{n}); one model trains at a time"
+                + ("; each model's worker replica loads its own base" if replicas else "")
+            )
+        lines += ["", f"  {where:<44}{'GiB':>9}"]
         lines += [f"  {name:<44}{_gib(b):>9}" for name, b in rows]
+        if n > 1:
+            lines.append(f"  {'each model after the first adds':<44}{_gib(self.per_model):>9}")
         lines += [
             f"  {'= while training':<44}{_gib(self.training_peak):>9}",
             f"  {'= while sampling':<44}{_gib(self.sampling_peak):>9}",
@@ -472,6 +521,7 @@ class MemoryPlan(BaseModel):
         ]
         kv = (
             f"KV cache {self.kv_tokens:,} tokens = {self.kv_tokens // lay.max_model_len:,} sequences of {lay.max_model_len}"
+            + (" for each model" if self._kv_pools() > 1 else "")
             if self.engine_kv_cache > 0
             else "no KV cache"
         )
@@ -502,20 +552,38 @@ def plan_memory(
     model: str | None = None,
     suggest: bool = True,
     flag: Callable[[str], str] | None = None,
+    models: int = 1,
 ) -> MemoryPlan:
     """The memory plan of training `config`'s model with `setup` on `layout` (see the module docstring).
 
+    `models`: how many models share this base on one backend (1 to MAX_MODELS); the base is counted
+    once, each model's adapter and AdamW state once per model, and the torch engine's KV cache once
+    per model (vLLM: one KV pool, an adapter slot per model).
+
     When it does not fit and `suggest` is on, `changes` lists each single change that makes it fit
-    (dtype, gradient checkpointing, sharding the base, vLLM tensor parallelism, a lower
+    (fewer models, dtype, gradient checkpointing, sharding the base, vLLM tensor parallelism, a lower
     gpu_memory_utilization, a shorter max_seq_len or max_model_len), or else the first combination
-    of them that does. `flag(field)`: how the caller spells a TrainingSetup or Layout field (the CLI:
-    its option), for changes worded as those; by default they are worded as Python settings."""
+    of them that does. `flag(field)`: how the caller spells a TrainingSetup or Layout field or
+    `models` (the CLI: its option), for changes worded as those; by default they are worded as
+    Python settings."""
+    models = _check_models(models)
     shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
     name = model or (_name_of(config) if not isinstance(config, ModelShape) else shape.model_type) or "model"
-    plan = _compute(shape, setup, layout, name)
+    plan = _compute(shape, setup, layout, name, models)
     if not plan.fits and suggest:
-        plan.changes = _changes(shape, setup, layout, name, flag)
+        plan.changes = _changes(shape, setup, layout, name, flag, models)
     return plan
+
+
+def _check_models(models: object) -> int:
+    """`models` as given, or InvalidFieldError naming it: a whole number from 1 to MAX_MODELS."""
+    if isinstance(models, bool) or not isinstance(models, int) or not 1 <= models <= MAX_MODELS:
+        raise InvalidFieldError(
+            "models",
+            models,
+            f"the models sharing one base on a backend: a whole number from 1 to {MAX_MODELS}",
+        )
+    return models
 
 
 def _name_of(config: Mapping[str, Any]) -> str:
@@ -526,7 +594,9 @@ def _name_of(config: Mapping[str, Any]) -> str:
     return str(archs[0]) if isinstance(archs, list) and archs else str(config.get("model_type") or "")
 
 
-def _compute(shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str) -> MemoryPlan:
+def _compute(
+    shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str, models: int = 1
+) -> MemoryPlan:
     b = DTYPE_BYTES[setup.dtype]
     a = 2 if setup.autocast_bf16 or setup.dtype == "bfloat16" else 4
     h, v, n = shape.hidden_size, shape.vocab_size, setup.tokens
@@ -546,7 +616,10 @@ def _compute(shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str)
         gathered = 2 * shape.layer_parameters() * b
     else:
         weights, gathered = params * b, 0
-    adapter, gradients, optimizer = 4 * lora_params, 4 * lora_params, 8 * lora_params  # fp32; AdamW m and v
+    # fp32 weights, gradients and AdamW's m and v. Each of the models on the base keeps its adapter
+    # and AdamW state between steps; gradients exist only during a step (zero_grad frees them), and
+    # one model trains at a time on a GPU, so they and the activations below are counted once.
+    adapter, gradients, optimizer = 4 * lora_params * models, 4 * lora_params, 8 * lora_params * models
     layer = n * _activation_bytes_per_layer(shape, setup, inner)
     final_norm = n * 4 * h  # the final RMSNorm's fp32 input
     if setup.gradient_checkpointing:
@@ -574,7 +647,9 @@ def _compute(shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str)
     if layout.engine == "vllm":
         from journeyman.engine.vllm_server import lora_rank_for  # httpx and the supervisor: only when asked
 
-        slots = layout.max_loras * shape.lora_parameters(
+        # one server serves every model on the base: each model's adapter resident (max_loras at
+        # least the models), all beside one KV pool, which the extra slots shrink
+        slots = max(layout.max_loras, models) * shape.lora_parameters(
             lora_rank_for(setup.lora.r), setup.lora.target_modules
         )
         engine_weights = params * eb // tp
@@ -591,6 +666,7 @@ def _compute(shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str)
             budget = engine_weights + engine_adapters + engine_runtime + kv_cache
         engine_awake = budget
         engine_asleep = _PROCESS_OVERHEAD if layout.engine_sleeps and cuda else budget
+        per_model = 12 * lora_params  # the trainer's adapter and AdamW state; vLLM's slot is in its share
         if kv_cache < layout.max_model_len * kv_token:
             sized = (
                 f"gpu_memory_utilization={layout.gpu_memory_utilization:g} x {_gib(layout.gpu_bytes)} GiB "
@@ -611,16 +687,28 @@ def _compute(shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str)
         )
         # merging a 16-bit base keeps an undo log of about half the adapted weights (policy/merge.py);
         # a replica keeps its adapter, unmerged, in fp32
-        undo_log = adapted * b // 2 if b == 2 else 0
+        # merging a 16-bit base keeps an undo log of about half the adapted weights (policy/merge.py);
+        # a replica keeps its adapter, unmerged, in fp32. On a base several models share nothing is
+        # merged (the adapter runs beside the base layers): no undo log
+        undo_log = adapted * b // 2 if b == 2 and models == 1 else 0
         engine_adapters = 4 * lora_params if own_copy else undo_log
-        kv_cache = layout.engine_rows * layout.max_model_len * kv_token
+        # each model's engine keeps its own pool of KV slots (engine/kv.py)
+        kv_one = layout.engine_rows * layout.max_model_len * kv_token
         # prefill of one longest row: its MLP's widest tensors, and logits at the last positions
         engine_runtime = layout.max_model_len * 3 * shape.intermediate_size * eb + layout.engine_rows * v * 4
         if own_copy:
             engine_runtime += overhead
+        # a worker replica is a process of its model's engine that loads its own base (only models in
+        # the trainer's process share one): every model's replica on GPU 0 is a whole engine
+        copies = models if own_copy else 1
+        engine_weights, engine_adapters, engine_runtime = (
+            x * copies for x in (engine_weights, engine_adapters, engine_runtime)
+        )
+        kv_cache = kv_one * models
         engine_awake = engine_weights + engine_adapters + engine_runtime + kv_cache
         # replicas never sleep; the in-process engine holds nothing while the trainer runs
         engine_asleep = engine_awake if own_copy else 0
+        per_model = 12 * lora_params + (engine_awake // models if own_copy else kv_one)
     training = resident + gathered + gradients + activations + head + engine_asleep
     sampling = resident + engine_awake
     usable = int(layout.gpu_bytes * (1 - _HEADROOM))
@@ -635,12 +723,18 @@ def _compute(shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str)
         what = (
             f"vLLM's {layout.gpu_memory_utilization:g} of the GPU ({_gib(engine_awake)})"
             if layout.engine == "vllm"
-            else f"the engine's {_gib(engine_awake)} (KV cache of {layout.engine_rows} rows)"
+            else f"the engine's {_gib(engine_awake)} (KV cache of {layout.engine_rows} rows"
+            + (f" for each of {models} models)" if models > 1 else ")")
+        )
+        several = (
+            f", of it {models} models' adapters and AdamW state {_gib(adapter + optimizer)},"
+            if models > 1
+            else ""
         )
         problems.insert(
             0,
-            f"{where} needs {_gib(sampling)} GiB while sampling (the trainer's resident {_gib(resident)} "
-            f"beside {what}) of {_gib(usable)} GiB usable.",
+            f"{where} needs {_gib(sampling)} GiB while sampling (the trainer's resident {_gib(resident)}"
+            f"{several} beside {what}) of {_gib(usable)} GiB usable.",
         )
     return MemoryPlan(
         model=name,
@@ -663,6 +757,8 @@ def _compute(shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str)
         engine_kv_cache=kv_cache,
         engine_asleep=engine_asleep,
         kv_bytes_per_token=kv_token,
+        models=models,
+        per_model=per_model,
         training_peak=training,
         sampling_peak=sampling,
         usable=usable,
@@ -793,28 +889,35 @@ def _shorter(length: int) -> list[int]:
 
 
 def _changes(
-    shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str, flag: _Flag = None
+    shape: ModelShape, setup: TrainingSetup, layout: Layout, name: str, flag: _Flag = None, models: int = 1
 ) -> list[str]:
-    """Each kind's mildest change that alone makes the plan fit; if none does, the first combination
-    (structural changes added in order, each followed by a search of the tunable ones) that does."""
+    """Each kind's mildest change that alone makes the plan fit (the most of `models` that fits
+    first); if none does, the first combination (structural changes added in order, each followed
+    by a search of the tunable ones) that does, all `models` kept."""
 
     def fits(change: _Change, s: TrainingSetup, lay: Layout) -> tuple[TrainingSetup, Layout] | None:
         try:
             s, lay = change(s, lay)
         except InvalidFieldError:  # a layout the node cannot hold
             return None
-        return (s, lay) if _compute(shape, s, lay, name).fits else None
+        return (s, lay) if _compute(shape, s, lay, name, models).fits else None
 
     kinds = _kinds(shape, setup, layout, flag)
     singles = [
         next((label for label, change in kind.options if fits(change, setup, layout)), None) for kind in kinds
     ]
+    fewer = next((m for m in range(models - 1, 0, -1) if _compute(shape, setup, layout, name, m).fits), None)
+    if fewer is not None:
+        python = (
+            f"models={fewer} (fewer models on this base: each adds its adapter, AdamW state and KV cache)"
+        )
+        singles.insert(0, _say(flag, python, {"models": fewer}))
     if any(singles):
         return [label for label in singles if label]
     tunables = [k for k in kinds if not k.structural]
 
     def together(s: TrainingSetup, lay: Layout, chosen: list[str]) -> list[str] | None:
-        if _compute(shape, s, lay, name).fits:
+        if _compute(shape, s, lay, name, models).fits:
             return ["together: " + ", ".join(chosen)]
         for tunable in tunables:
             for label, change in tunable.options:
@@ -845,7 +948,7 @@ def _changes(
             node = {"gpus": gpus, "trainer_ranks": gpus, "shard_base": True, "tensor_parallel_size": tp}
             node["data_parallel_size"] = 1
             for s2, lay2, extra in ((setup, layout, []), (s, lay, precision)):
-                if _compute(shape, s2, lay2.model_copy(update=node), name).fits:
+                if _compute(shape, s2, lay2.model_copy(update=node), name, models).fits:
                     where = (
                         f"{gpus} GPUs of {_gib(layout.gpu_bytes)} GiB, the base sharded across {gpus} ranks"
                     )
@@ -868,11 +971,14 @@ def plan_for_backend(
     engine_replicas: int = 1,
     train: TrainConfig | None = None,
     memory: tuple[int, int] | None = None,
+    models: int = 1,
 ) -> MemoryPlan:
     """The plan of what `LocalBackend.register` is about to load: the layout from the backend's
     settings, the rows from `train` (TrainConfig's defaults: the plan is made before any step says
     otherwise), the device's memory as `memory` (GPUs, bytes of each) or else asked of torch; on the
-    CPU it is the host's."""
+    CPU it is the host's. `models`: the models that will share this base on the backend, this one
+    included (see `plan_memory`)."""
+    _check_models(models)
     from journeyman.policy.base_weights import pick_device
 
     where = pick_device(device)
@@ -928,7 +1034,7 @@ def plan_for_backend(
     )
     # the hub id a config names, else the base model's directory name, else its architecture
     named = config.get("_name_or_path") or PurePath(model.base_model).name or _name_of(config)
-    return plan_memory(config, setup, layout, model=PurePath(str(named)).name)
+    return plan_memory(config, setup, layout, model=PurePath(str(named)).name, models=models)
 
 
 # The config.json fields the plan reads, of the models users train most (model_configs.json beside
