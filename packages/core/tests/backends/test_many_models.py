@@ -3,7 +3,10 @@ weights, each keeps its own adapter, and training one leaves the others' answers
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,3 +113,79 @@ async def test_training_one_model_leaves_the_others_answers_exactly_as_they_were
     for (ids, lps), (ids_alone, lps_alone) in zip(a_shared, a_alone, strict=True):
         assert ids == ids_alone
         assert max(abs(x - y) for x, y in zip(lps, lps_alone, strict=True)) < 1e-3
+
+
+async def test_rows_of_both_models_share_a_batch_each_through_its_own_adapter(pair: Pair) -> None:
+    pb = pair.backend.service(pair.b).policy
+    with pb.editing(), torch.no_grad():  # an adapter far from the other's: a swap would show
+        torch.manual_seed(7)
+        for name, p in pb.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+        pb.version += 1
+    a_alone, b_alone = await _greedy(pair.a), await _greedy(pair.b)
+    assert [ids for ids, _ in a_alone] != [ids for ids, _ in b_alone]
+    runner = pair.backend.service(pair.a).engine.runner  # pyright: ignore[reportAttributeAccessIssue]
+    assert runner is pair.backend.service(pair.b).engine.runner  # pyright: ignore[reportAttributeAccessIssue]
+    mixed_before = runner.mixed_steps
+    together = await asyncio.gather(*[_greedy(m) for m in (pair.a, pair.b, pair.a, pair.b)])
+    assert runner.mixed_steps > mixed_before  # their rows were decoded in the same steps
+    for got, alone in zip(together, [a_alone, b_alone, a_alone, b_alone], strict=True):
+        for (ids, lps), (ids_alone, lps_alone) in zip(got, alone, strict=True):
+            assert ids == ids_alone
+            assert max(abs(x - y) for x, y in zip(lps, lps_alone, strict=True)) < 1e-3
+
+
+async def test_a_models_training_step_holds_back_its_own_rows_alone(pair: Pair) -> None:
+    pa = pair.backend.service(pair.a).policy
+    entered, release = threading.Event(), threading.Event()
+
+    def step() -> None:  # what a training step holds: the model's weights, exclusively
+        with pa.editing():
+            entered.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=step)
+    holder.start()
+    try:
+        assert await asyncio.to_thread(entered.wait, 30)
+        a_waits = asyncio.ensure_future(_greedy(pair.a))
+        await _greedy(pair.b)  # served while a's step holds a's weights
+        await asyncio.sleep(0.2)
+        assert not a_waits.done()
+    finally:
+        release.set()
+        await asyncio.to_thread(holder.join, 30)
+    assert len(await asyncio.wait_for(a_waits, 60)) == len(PROMPTS)
+
+
+def test_the_models_weight_changes_take_turns_first_asked_first_served() -> None:
+    from journeyman.engine.tenants import Turns
+
+    turns, order = Turns(), []
+    first_in, go = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with turns.turn():
+            first_in.set()
+            go.wait(10)
+            order.append("a1")
+
+    def later(name: str) -> None:
+        with turns.turn():
+            order.append(name)
+
+    threads = [threading.Thread(target=first)]
+    threads[0].start()
+    assert first_in.wait(10)
+    for name in ("b1", "c1", "a2"):  # a's next step asks after b's and c's: it waits for both
+        t = threading.Thread(target=later, args=(name,))
+        t.start()
+        threads.append(t)
+        deadline = time.monotonic() + 10
+        while turns._next < len(threads) and time.monotonic() < deadline:  # pyright: ignore[reportPrivateUsage]
+            time.sleep(0.001)  # its ticket taken before the next one asks
+    go.set()
+    for t in threads:
+        t.join(10)
+    assert order == ["a1", "b1", "c1", "a2"]

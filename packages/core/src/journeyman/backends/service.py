@@ -33,6 +33,7 @@ from journeyman.errors import InvalidFieldError
 if TYPE_CHECKING:
     from journeyman.chat.formats import ChatFormat
     from journeyman.engine import Engine
+    from journeyman.engine.torch_engine import TorchEngine
     from journeyman.engine.vllm_server import VLLMConfig
     from journeyman.policy.base_weights import BaseWeights
     from journeyman.policy.lora import LoraPolicy
@@ -265,11 +266,23 @@ class ServingSettings:
 
 class BaseRegistry:
     """A backend's bases: one `BaseWeights` per (base directory, device, dtype), which every model
-    registered on it with that base shares (`policy/base_weights.py`)."""
+    registered on it with that base shares (`policy/base_weights.py`), and the in-process engines
+    on each, which the next model on that base joins (`TorchEngine(share_with=)`)."""
 
     def __init__(self) -> None:
         self._bases: dict[tuple[str, str | None, str], BaseWeights] = {}
+        self._engines: dict[int, list[TorchEngine]] = {}  # by id of the BaseWeights
         self._lock = threading.Lock()  # two models registering at once on one new base
+
+    def engine_on(self, base: BaseWeights) -> TorchEngine | None:
+        """An open in-process engine sampling from `base`, for another model to join."""
+        with self._lock:
+            return next((e for e in self._engines.get(id(base), []) if e.alive), None)
+
+    def add_engine(self, base: BaseWeights, engine: TorchEngine) -> None:
+        with self._lock:
+            engines = [e for e in self._engines.get(id(base), []) if e.alive]
+            self._engines[id(base)] = [*engines, engine]
 
     def get(self, path: Path, device: str | None, dtype: str) -> BaseWeights:
         from journeyman.policy.base_weights import BaseWeights
@@ -295,7 +308,8 @@ def assemble(
 
     path = resolve_base_model(model.base_model)  # a bad one is refused before torch loads
     # The heavy modules load here, when a model is first served, not at `import journeyman`.
-    base = (bases or BaseRegistry()).get(path, settings.device, settings.dtype)
+    bases = bases or BaseRegistry()
+    base = bases.get(path, settings.device, settings.dtype)
     check_memory_plan(settings, model, base)  # an impossible layout is refused before any weights load
     from journeyman.chat.formats import ChatFormat
     from journeyman.policy.lora import LoraPolicy
@@ -310,7 +324,7 @@ def assemble(
     chat_format = ChatFormat(policy.tokenizer, family=model.chat_format)
     store = RunStore(run_dir)
     step = store.resume_step()  # the committed step, or the newest good one if it is corrupt
-    engine = _make_engine(settings, base, policy, chat_format, step, store.checkpoint_dir(step))
+    engine = _make_engine(settings, bases, base, policy, chat_format, step, store.checkpoint_dir(step))
     context = getattr(policy.model.config, "max_position_embeddings", None)
     if settings.vllm_config is not None:
         context = min(context or settings.vllm_config.max_model_len, settings.vllm_config.max_model_len)
@@ -354,8 +368,9 @@ def assemble(
 
 def check_memory_plan(settings: ServingSettings, model: ModelConfig, base: BaseWeights) -> None:
     """Log what each GPU will hold (`backends/memory_plan.py`, from the base's config.json and
-    TrainConfig's defaults); on CUDA refuse, with ImpossiblePlanError naming what to change, a
-    layout that cannot fit. On the CPU it is advice only: host memory is shared and paged."""
+    TrainConfig's defaults), counting every model on the base with this one; on CUDA refuse, with
+    ImpossiblePlanError naming what to change, a layout that cannot fit. On the CPU it is advice
+    only: host memory is shared and paged."""
     from journeyman.backends.memory_plan import plan_for_backend
 
     try:
@@ -367,6 +382,7 @@ def check_memory_plan(settings: ServingSettings, model: ModelConfig, base: BaseW
             trainer=settings.trainer,
             vllm=settings.vllm_config or (None if settings.engine_kind == "torch" else _default_vllm()),
             engine_replicas=settings.engine_replicas,
+            models=len(base.users()) + 1,
         )
     except (InvalidFieldError, OSError, ValueError) as e:  # a model the plan does not model
         log.warning("%s: no memory plan (%s)", model.name, e)
@@ -382,6 +398,7 @@ def check_memory_plan(settings: ServingSettings, model: ModelConfig, base: BaseW
 
 def _make_engine(
     settings: ServingSettings,
+    bases: BaseRegistry,
     base: BaseWeights,
     policy: LoraPolicy,
     chat_format: ChatFormat,
@@ -389,7 +406,8 @@ def _make_engine(
     checkpoint: Path,
 ) -> Engine:
     """The engine named by `engine=`, to serve `step` (a resumed run's; its adapter is at
-    `checkpoint`); each kind's module is imported only when chosen."""
+    `checkpoint`); each kind's module is imported only when chosen. In process, a model on a base
+    already served joins that base's engine."""
     if settings.engine_kind == "vllm":
         from journeyman.engine.vllm_engine import VLLMEngine
 
@@ -403,7 +421,9 @@ def _make_engine(
     if settings.engine_in_process:  # samples from the very weights the trainer updates
         from journeyman.engine.torch_engine import TorchEngine
 
-        return TorchEngine(policy, chat_format.stop_ids)
+        engine = TorchEngine(policy, chat_format.stop_ids, share_with=bases.engine_on(base))
+        bases.add_engine(base, engine)
+        return engine
     from journeyman.engine.replicas import ReplicatedEngine
     from journeyman.engine.torch_process import replica_specs, start_replicas
 

@@ -12,6 +12,7 @@ failed, and the scheduler (`scheduler`) tells their callers.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from journeyman.engine.rows import Answer, Request, RequestT, Row, Step
 from journeyman.engine.sampler import generator, sample
 from journeyman.engine.slot_attention import slot_attention_on, unsupported_attention
 from journeyman.engine.slots import RowSlots
+from journeyman.engine.tenants import Tenants
 from journeyman.errors import InvalidFieldError
 from journeyman.policy.lora import LoraPolicy
 
@@ -54,15 +56,17 @@ class RunnerConfig:
 
 
 class BatchRunner(Generic[RequestT]):
-    """Prefills and decodes rows on `policy`'s model, the rows in their KV slots (`slots`). Its
-    methods run on the scheduler's thread inside `sampling()`, except `check_prompt` and `compile`,
-    which any thread may call."""
+    """Prefills and decodes rows on `policy`'s model, the rows in their KV slots (`slots`); with
+    other models on the same base (`tenants`), rows of each in one batch. Its methods run on the
+    scheduler's thread inside `sampling()`, except `check_prompt` and `compile`, which any thread
+    may call."""
 
     def __init__(self, policy: LoraPolicy, stop_ids: set[int], config: RunnerConfig | None = None) -> None:
-        self.policy = policy
+        self.policy = policy  # the first model's: the device, the tokenizer and the shapes are its base's
+        self.tenants = Tenants(policy, stop_ids)
         self.config = config or RunnerConfig()
         self.tokenizer = policy.tokenizer
-        self.stop_ids = stop_ids
+        self.device = policy.device
         causal_lm = policy.model.get_base_model()
         why = unsupported_attention(causal_lm.config)
         if why is not None:
@@ -71,8 +75,7 @@ class BatchRunner(Generic[RequestT]):
                 causal_lm.config.model_type,
                 f"the in-process engine serves full attention only ({why}): use the vLLM engine",
             )
-        self._decoder = causal_lm.get_decoder()
-        self._head = causal_lm.get_output_embeddings()
+        self._use(causal_lm)
         text = causal_lm.config.get_text_config()
         heads = text.num_attention_heads
         layout = (
@@ -88,6 +91,7 @@ class BatchRunner(Generic[RequestT]):
         self.prefill_tokens = 0  # prompt tokens prefilled
         self.decode_steps = 0
         self.decode_rows = 0  # rows summed over decode steps: their mean is the batch decoded
+        self.mixed_steps = 0  # decode steps whose rows were of two or more models
         self.decode_ms = 0.0  # time in decode forward passes
         self.prefill_ms = 0.0  # time in prefill passes (the shared prefix's included)
         embeddings = policy.model.get_input_embeddings()
@@ -138,8 +142,11 @@ class BatchRunner(Generic[RequestT]):
 
     @property
     def weights_wanted(self) -> bool:
-        """Whether a training step waits for the weights this runner samples with."""
-        return bool(self.policy.editors_waiting)
+        """Whether the runner should drain and go idle: a model joins or leaves, or (one model) a
+        training step waits for the weights. With several models a step waits for its own model's
+        rows alone (`split`)."""
+        tenants = self.tenants
+        return tenants.changing or (not tenants.mixed and bool(tenants.active[0].policy.editors_waiting))
 
     @property
     def busy(self) -> bool:
@@ -166,14 +173,24 @@ class BatchRunner(Generic[RequestT]):
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[None]:
-        """Hold the weights to sample (`LoraPolicy.sampling`), with `slot_attention` in place, while
-        rows are served; leaving frees them for a training step. Keys and values computed under
-        older weights are dropped on entry."""
-        with self.policy.sampling(), slot_attention_on(self.policy.model.get_base_model()):
-            self.prompt_kv.refresh(self.policy.version)
+        """Hold the weights to sample, with `slot_attention` in place, while rows are served;
+        leaving frees them for a training step. One model: its `LoraPolicy.sampling` (the adapter
+        merged in); several: the engine's own module, each model's lock taken as its rows join
+        (`split`) and let go as they leave. Models join and leave here (the runner is idle), and
+        keys and values computed under older weights are dropped."""
+        tenants = self.tenants
+        if tenants.apply():
+            self._release()  # decode graphs hold the old module's shapes
+            self.prompt_kv.refresh(tenants.versions())
+        module = tenants.module
+        weights = self.policy.attention_kernels() if tenants.mixed else tenants.active[0].policy.sampling()
+        with weights, slot_attention_on(module):
+            self._use(module)
+            self.prompt_kv.refresh(tenants.versions())
             try:
                 yield
             finally:
+                tenants.release_all()
                 # Idle: the slots go. One long row sizes every slot's capacity (rows x longest), so
                 # a pool kept would hold its peak between rollout phases; regrowing it is cheap.
                 # With decode graphs (which hold the pool's addresses) they stay until a training
@@ -187,22 +204,54 @@ class BatchRunner(Generic[RequestT]):
         if self.graphs is not None:
             self.graphs.clear()
 
+    def _use(self, causal_lm: Any) -> None:
+        """Sample with `causal_lm`'s decoder and head."""
+        self._decoder = causal_lm.get_decoder()
+        self._head = causal_lm.get_output_embeddings()
+
+    def split(self, jobs: list[RequestT]) -> tuple[list[RequestT], list[RequestT], list[RequestT]]:
+        """`jobs` as (to admit now, to keep queued, refused: their model left the engine). With several
+        models, a job is admitted only once its model's lock is held (`Tenants.hold`): a model whose
+        training step waits gets no new rows while the others' join."""
+        tenants = self.tenants
+        now: list[RequestT] = []
+        later: list[RequestT] = []
+        refused: list[RequestT] = []
+        active = {t.index for t in tenants.active}
+        for job in jobs:
+            tenant = tenants.all[job.tenant]
+            if tenant.closed:
+                refused.append(job)
+            elif job.tenant not in active or (tenants.mixed and not tenants.hold(job.tenant)):
+                later.append(job)
+            else:
+                now.append(job)
+        return now, later, refused
+
+    def _let_go(self) -> None:
+        """Let go the locks of models no held row belongs to any more (mixed batches)."""
+        self.tenants.release_unused(r.tenant for r in self.slots.held())
+
     @torch.inference_mode()
     def admit(self, jobs: list[RequestT]) -> None:
         """Give `jobs`' rows slots, with what of each prompt is already computed (the shared prefix, a
         cached earlier turn) in place; `fill` prefills the rest."""
         answers = [Answer(j, [None] * j.params.n, j.params.n) for j in jobs]
-        prompts = list(dict.fromkeys(tuple(j.prompt_ids) for j in jobs))
+        if self.tenants.mixed:
+            self.prompt_kv.refresh(self.tenants.versions())  # a model may have trained since
+        # the shared prefix is one model's: the one with the most requests here
+        tenant = collections.Counter(j.tenant for j in jobs).most_common(1)[0][0]
+        prompts = list(dict.fromkeys(tuple(j.prompt_ids) for j in jobs if j.tenant == tenant))
         chunk = self.config.prefill_chunk_tokens
-        self.prefill_tokens += self.prompt_kv.extend(prompts, self.slots.held(), chunk)
+        self.prefill_tokens += self.prompt_kv.extend(prompts, self.slots.held(), chunk, tenant)
         leaders: dict[tuple[int, ...], Row[RequestT]] = {}
         added: list[Row[RequestT]] = []
         for a in answers:
             params = a.job.params
             for k in range(params.n):
-                gen = generator(params.seed, k, self.policy.device)
+                gen = generator(params.seed, k, self.device)
                 row = Row(a, k, gen, self._grammars.matcher(params.constraint))
-                key = tuple(a.job.prompt_ids)
+                key = (a.job.tenant, *a.job.prompt_ids)
                 if key in leaders:
                     leaders[key].followers.append(row)
                     self.slots.waiting.append(row)
@@ -216,6 +265,7 @@ class BatchRunner(Generic[RequestT]):
         """Take `jobs`' rows out (their admission or prefill failed, or their callers left), ready or
         not; the others stay as they are."""
         self.slots.drop(jobs)
+        self._let_go()
 
     @torch.inference_mode()
     def fill(self) -> None:
@@ -232,7 +282,7 @@ class BatchRunner(Generic[RequestT]):
         lo, hi = slots.ready, slots.ready + len(chunks)
         rows = slots.rows[lo:hi]
         width = max(chunks)
-        device = self.policy.device
+        device = self.device
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         for i, (row, c) in enumerate(zip(rows, chunks, strict=True)):
             ids[i, :c] = torch.tensor(row.pending[:c])
@@ -244,7 +294,7 @@ class BatchRunner(Generic[RequestT]):
         self.prompt_kv.attach(plan, rows)
         prefixes = torch.tensor([r.prefix for r in rows], device=device)
         t0 = time.perf_counter()
-        hidden = self._run(ids.to(device), write + prefixes[:, None], plan)
+        hidden = self._run(ids.to(device), write + prefixes[:, None], plan, [r.tenant for r in rows])
         self.prefill_ms += (time.perf_counter() - t0) * 1000
         last = hidden[torch.arange(len(rows), device=device), torch.tensor(chunks, device=device) - 1]
         self.prefill_tokens += sum(chunks)
@@ -290,9 +340,9 @@ class BatchRunner(Generic[RequestT]):
                         zip(draw.top_ids[b, :k].tolist(), draw.top_logprobs[b, :k].tolist(), strict=True)
                     )
                 row.accept(ids[b], chosen[b], top)
-                row.check_finished(self.stop_ids, self.tokenizer)
+                row.check_finished(self.tenants.stop_ids(row.tenant), self.tokenizer)
                 if row.finish is not None:
-                    step.retire(row, row.sample(self.tokenizer, self.policy.step))
+                    step.retire(row, row.sample(self.tokenizer, self.tenants.policy(row.tenant).step))
             except Exception as e:  # this row's own trouble
                 step.fail(row.answer, e)
                 continue
@@ -308,21 +358,26 @@ class BatchRunner(Generic[RequestT]):
         latest token: they are then ready to sample the next."""
         slots = self.slots
         slots.settle(keep)
+        self._let_go()
         if not slots.ready:
             return
         rows = slots.rows[: slots.ready]
         t0 = time.perf_counter()
-        slots.logits = self._decode_fixed(rows) if self.graphs is not None else self._decode_eager(rows)
+        fixed = self.graphs is not None and not self.tenants.mixed  # graphs hold one model's weights
+        slots.logits = self._decode_fixed(rows) if fixed else self._decode_eager(rows)
         for r in rows:
             r.length += 1
         self.decode_steps += 1
         self.decode_rows += len(rows)
+        self.mixed_steps += len({r.tenant for r in rows}) > 1
         self.decode_ms += (time.perf_counter() - t0) * 1000
 
     def reset(self) -> list[RequestT]:
         """Drop every row (a forward pass failed where no row can be singled out); returns their
         requests."""
-        return self.slots.reset()
+        jobs = self.slots.reset()
+        self._let_go()
+        return jobs
 
     def counters(self) -> dict[str, int]:
         """What the runner counted since it was made (the step metrics take differences)."""
@@ -330,6 +385,7 @@ class BatchRunner(Generic[RequestT]):
             "prefill_tokens": self.prefill_tokens,
             "decode_steps": self.decode_steps,
             "decode_rows": self.decode_rows,
+            "decode_mixed_steps": self.mixed_steps,
             "decode_ms": round(self.decode_ms),
             "prefill_ms": round(self.prefill_ms),
             "prefix_computes": self.prefix_computes,
@@ -345,7 +401,7 @@ class BatchRunner(Generic[RequestT]):
 
     def _decode_eager(self, rows: list[Row[RequestT]]) -> torch.Tensor:
         """(n, V) the next-token logits of the ready `rows`, at this step's own shape."""
-        device = self.policy.device
+        device = self.device
         lengths = torch.tensor([r.length for r in rows])
         pool = self.slots.pool
         pool.reserve(0, int(lengths.max()) + 1)
@@ -355,7 +411,7 @@ class BatchRunner(Generic[RequestT]):
         self.prompt_kv.attach(plan, rows)
         latest = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
         prefixes = torch.tensor([[r.prefix] for r in rows], device=device)
-        hidden = self._run(latest, write + prefixes, plan)
+        hidden = self._run(latest, write + prefixes, plan, [r.tenant for r in rows])
         return self._head(hidden[:, -1]).float()
 
     def _decode_fixed(self, rows: list[Row[RequestT]]) -> torch.Tensor:
@@ -372,11 +428,17 @@ class BatchRunner(Generic[RequestT]):
             pool, shared, [r.tokens[-1] for r in rows], lengths, [r.prefix for r in rows], kv_len
         )
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, plan: KVPlan) -> torch.Tensor:
-        """The decoder's last hidden states (n, q, hidden) for `ids` at `positions` under `plan`."""
-        out = self._decoder(
-            input_ids=ids, position_ids=positions, past_key_values=plan, use_cache=True, jm_plan=plan
-        )
+    def _run(
+        self, ids: torch.Tensor, positions: torch.Tensor, plan: KVPlan, models: list[int] | None = None
+    ) -> torch.Tensor:
+        """The decoder's last hidden states (n, q, hidden) for `ids` at `positions` under `plan`; with
+        several models, each row through its model's adapter (`models`: a model index a row)."""
+        if self.tenants.mixed and models is None:
+            raise RuntimeError("a forward pass of a mixed batch names no row's model")
+        with self.tenants.forward(models or [], self.device):
+            out = self._decoder(
+                input_ids=ids, position_ids=positions, past_key_values=plan, use_cache=True, jm_plan=plan
+            )
         return out.last_hidden_state
 
     def _allowed(

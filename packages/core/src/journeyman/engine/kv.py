@@ -13,12 +13,14 @@ cache of finished turns' KV that later turns extend.
   least-recently-used eviction. An agent's turn k+1 starts with turn k's prompt and answer, so its
   prefill runs only the tool result and what follows; GRPO rows of one prompt hit each other too.
 
-All of it holds for one version of the weights (`LoraPolicy.version`): a training step empties it.
+All of it holds for one version of a model's weights (`LoraPolicy.version`): a training step
+empties that model's part. With several models on the engine (`tenants`), each entry is one model's.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -171,10 +173,11 @@ class SharedPrefix(_Buffers):
     ) -> None:
         super().__init__(layers, kv_heads, head_dim, dtype, device)
         self.tokens: tuple[int, ...] = ()
-        self.version = -1  # the weights' version its keys and values were computed under
+        self.owner = 0  # the model whose weights computed it (`tenants`)
+        self.version = -1  # the version of those weights
 
-    def clear(self, version: int) -> None:
-        self.tokens, self.version = (), version
+    def clear(self, version: int, owner: int = 0) -> None:
+        self.tokens, self.version, self.owner = (), version, owner
 
     def per_layer(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer (kv heads, P, d) views of the prefix's keys and values."""
@@ -191,6 +194,7 @@ class PrefixEntry:
     prefix: int
     prefix_tokens: tuple[int, ...]
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (kv heads, len(tokens) - prefix, d)
+    tenant: int = 0  # the model whose weights computed it: found by its rows alone
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -204,11 +208,13 @@ class PrefixCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self.version = -1
+        self.versions: dict[int, int] = {}  # each model's weights' version its entries were computed under
         self._entries: collections.OrderedDict[int, PrefixEntry] = (
             collections.OrderedDict()
         )  # by id, LRU first
-        self._by_hash: dict[tuple[int, int], PrefixEntry] = {}  # (length, hash of tokens[:length])
+        self._by_hash: dict[
+            tuple[int, int, int], PrefixEntry
+        ] = {}  # (model, length, hash of tokens[:length])
         self.hits = 0  # prompts that found a cached prefix
         self.tokens_reused = 0  # prompt tokens whose prefill a cached prefix spared
         self.evictions = 0
@@ -216,11 +222,18 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def clear(self, version: int) -> None:
-        """Empty the cache for weights of `version`."""
-        self._entries.clear()
-        self._by_hash.clear()
-        self.nbytes, self.version = 0, version
+    def clear(self, version: int, tenant: int = 0) -> None:
+        """Drop model `tenant`'s entries: its weights are now of `version`."""
+        for entry in [e for e in self._entries.values() if e.tenant == tenant]:
+            del self._entries[id(entry)]
+            self._drop(entry)
+        self.versions[tenant] = version
+
+    def refresh(self, versions: Sequence[int]) -> None:
+        """Drop the entries of every model whose weights changed (`versions`, by model index)."""
+        for tenant, version in enumerate(versions):
+            if self.versions.get(tenant) != version:
+                self.clear(version, tenant)
 
     def put(self, entry: PrefixEntry) -> None:
         if entry.nbytes > self.max_bytes or len(entry.tokens) - entry.prefix < 1:
@@ -228,7 +241,7 @@ class PrefixCache:
         self._entries[id(entry)] = entry
         self.nbytes += entry.nbytes
         for length in (*range(_HASH_STEP, len(entry.tokens), _HASH_STEP), len(entry.tokens)):
-            self._by_hash[(length, hash(entry.tokens[:length]))] = entry  # the newest entry wins
+            self._by_hash[(entry.tenant, length, hash(entry.tokens[:length]))] = entry  # the newest wins
         while self.nbytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self._drop(old)
@@ -237,18 +250,18 @@ class PrefixCache:
     def _drop(self, entry: PrefixEntry) -> None:
         self.nbytes -= entry.nbytes
         for length in (*range(_HASH_STEP, len(entry.tokens), _HASH_STEP), len(entry.tokens)):
-            key = (length, hash(entry.tokens[:length]))
+            key = (entry.tenant, length, hash(entry.tokens[:length]))
             if self._by_hash.get(key) is entry:
                 del self._by_hash[key]
 
-    def find(self, prompt: tuple[int, ...], limit: int) -> tuple[PrefixEntry, int] | None:
-        """The cached entry sharing the longest prefix with `prompt` (at most `limit` tokens of it),
-        and that length; None when none shares more than its shared-prefix part."""
+    def find(self, prompt: tuple[int, ...], limit: int, tenant: int = 0) -> tuple[PrefixEntry, int] | None:
+        """Model `tenant`'s cached entry sharing the longest prefix with `prompt` (at most `limit`
+        tokens of it), and that length; None when none shares more than its shared-prefix part."""
         if not self._entries:
             return None
-        lengths = sorted({k[0] for k in self._by_hash if k[0] <= limit}, reverse=True)
+        lengths = sorted({k[1] for k in self._by_hash if k[1] <= limit and k[0] == tenant}, reverse=True)
         for length in lengths:
-            entry = self._by_hash.get((length, hash(prompt[:length])))
+            entry = self._by_hash.get((tenant, length, hash(prompt[:length])))
             if entry is not None and entry.tokens[:length] == prompt[:length] and length > entry.prefix:
                 self._entries.move_to_end(id(entry))
                 return entry, length

@@ -28,6 +28,10 @@ class Request(Protocol):
     def params(self) -> SamplingParams: ...
     @property
     def on_token(self) -> OnToken | None: ...
+    @property
+    def tenant(self) -> int:
+        """The model it samples from, among the engine's (`tenants`)."""
+        ...
 
 
 RequestT = TypeVar("RequestT", bound=Request)
@@ -68,6 +72,10 @@ class Row(Generic[RequestT]):
     @property
     def prompt(self) -> list[int]:
         return self.answer.job.prompt_ids
+
+    @property
+    def tenant(self) -> int:
+        return self.answer.job.tenant
 
     def accept(self, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
         """Take the token sampled for this row (`top`: its top logprobs, when the request asks)."""

@@ -68,6 +68,7 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[list[Sample]]
     on_token: OnToken | None = None  # told of each token as it is sampled (streaming)
+    tenant: int = 0  # the model it samples from, among the runner's (`tenants`)
 
 
 @dataclass(eq=False)
@@ -117,12 +118,17 @@ class Scheduler:
         return self._down is None
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_token: OnToken | None = None,
+        tenant: int = 0,
     ) -> asyncio.Future[list[Sample]]:
-        """Queue a request (checked already: see `BatchRunner.check_prompt`); its samples come on
-        the returned future, of the running loop, and each token to `on_token` as it is sampled."""
+        """Queue a request (checked already: see `BatchRunner.check_prompt`) for model `tenant`; its
+        samples come on the returned future, of the running loop, and each token to `on_token` as it
+        is sampled."""
         loop = asyncio.get_running_loop()
-        job = _Job(prompt_ids, params, loop, loop.create_future(), on_token)
+        job = _Job(prompt_ids, params, loop, loop.create_future(), on_token, tenant)
         with self._lock:
             if self._down is not None:
                 raise EngineDownError(self._down)
@@ -251,7 +257,9 @@ class Scheduler:
                     if not jobs:  # a call or an aside came first, or an aside waits
                         continue
                     held.enter_context(runner.sampling())
-                    self._admit(jobs)
+                    self._admit(jobs, carry)
+                    if not runner.busy:  # every job's model is training: let it have a moment
+                        time.sleep(0.01)
                 elif not runner.weights_wanted and not self._calls and not self._asides:
                     # Requests that arrived during the last step join now. None are admitted while a
                     # training step waits for the weights (or a call or an aside waits): the rows
@@ -259,7 +267,7 @@ class Scheduler:
                     room = cfg.max_batch_rows - runner.row_count
                     jobs = self._take(carry, room, wait=False, joining=True) if room > 0 else []
                     if jobs:
-                        self._admit(jobs)
+                        self._admit(jobs, carry)
                 if runner.filling:
                     self._fill()
                 if runner.ready:
@@ -382,8 +390,16 @@ class Scheduler:
         self._running = [j for j in self._running if j is not job]
         hand_over(job.loop, job.future, error=error)
 
-    def _admit(self, jobs: list[_Job]) -> None:
-        """Give `jobs` rows in the runner; if that raises, see `_isolate`."""
+    def _admit(self, jobs: list[_Job], carry: list[_Job]) -> None:
+        """Give `jobs` rows in the runner; if that raises, see `_isolate`. Jobs whose model cannot
+        take rows now (its training step waits for it, or it joins the engine at its next idle
+        moment) stay queued, first in `carry`; those of a model that left fail."""
+        jobs, later, refused = self.runner.split(jobs)
+        carry[:0] = later
+        for job in refused:
+            hand_over(job.loop, job.future, error=EngineDownError("this model's engine is closed"))
+        if not jobs:
+            return
         joined = self.runner.busy
         self._running = [*self._running, *jobs]  # held now: failed, never lost
         try:

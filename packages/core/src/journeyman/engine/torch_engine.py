@@ -11,11 +11,16 @@ logprobs are those of the raw model distribution at temperature 1, the same quan
 computes). It samples with the adapter merged into the base weights
 (`LoraPolicy.sampling`): with LoRA on every linear layer, PEFT's extra matmuls and dispatch cost
 12-23% of a decode step of the embedded model (batch 32 and 8).
+
+Several models on one base share one engine (`share_with`): one worker, one batch, each row through
+its own model's adapter (`tenants`). Their weight changes (a training step, a checkpoint load) then
+run on a thread of each model's own, taking that model's lock, so the others' rows keep decoding.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +32,7 @@ from journeyman.engine.base import Engine, FinishReason, OnToken, Sample, Sampli
 from journeyman.engine.batch import BatchRunner, RunnerConfig
 from journeyman.engine.sampler import generator, sample
 from journeyman.engine.scheduler import Gone, Scheduler, SchedulerConfig
+from journeyman.errors import EngineDownError
 from journeyman.policy.lora import LoraPolicy
 
 __all__ = ["TorchEngine"]
@@ -34,7 +40,9 @@ __all__ = ["TorchEngine"]
 
 class TorchEngine(Engine):
     """Checks each request, hands it to the scheduler, and reports what the parts count. See
-    `SchedulerConfig` for the batching and restart settings, `RunnerConfig` for prefill and KV."""
+    `SchedulerConfig` for the batching and restart settings, `RunnerConfig` for prefill and KV.
+    With `share_with` (an engine of another model on the same `BaseWeights`), this model joins
+    that engine's batches and the other arguments are that engine's."""
 
     serves_other_steps = True  # on the slow path, one row at a time (`_sample_alone`)
 
@@ -50,9 +58,16 @@ class TorchEngine(Engine):
         decode: Literal["auto", "eager", "fixed"] = "auto",
         max_restarts: int = 3,
         restart_window_s: float = 60.0,
+        share_with: TorchEngine | None = None,
     ) -> None:
         self.policy = policy
         self.tokenizer = policy.tokenizer
+        self.stop_ids = stop_ids
+        self._calls: concurrent.futures.ThreadPoolExecutor | None = None  # this model's, when shared
+        if share_with is not None:
+            self.scheduler, self.runner = share_with.scheduler, share_with.runner
+            self.tenant = self.runner.tenants.join(policy, stop_ids)
+            return
         config = SchedulerConfig(
             max_batch_rows=max_batch_rows,
             batch_wait_s=batch_wait_s,
@@ -63,15 +78,19 @@ class TorchEngine(Engine):
         runner = BatchRunner(policy, stop_ids, RunnerConfig(prefill_chunk_tokens, prefix_cache_bytes, decode))
         self.scheduler = Scheduler(runner, config)  # starts the worker thread
         self.runner = self.scheduler.runner
+        self.tenant = self.runner.tenants.first
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None = None
     ) -> list[Sample]:
+        if self.tenant.closed:
+            raise EngineDownError("this model's engine is closed")
         self.runner.check_prompt(prompt_ids, params)
         if params.base or params.adapter is not None:
             if params.constraint is not None:  # compiled off the worker, as below
                 await asyncio.to_thread(self.runner.compile, params.constraint)
-            queue = "base" if params.base else str(params.adapter)  # each step's requests in turn
+            # each step's requests in turn, each model's apart
+            queue = f"{self.tenant.index}:" + ("base" if params.base else str(params.adapter))
             return await self.scheduler.aside(
                 queue, functools.partial(self._sample_alone, prompt_ids, params, on_token)
             )
@@ -80,7 +99,7 @@ class TorchEngine(Engine):
             # Compile here, off the worker: a bad schema fails this request alone (InvalidFieldError,
             # a 400), not every request batched with it; the worker then finds it compiled.
             await asyncio.to_thread(self.runner.compile, constraint)
-        return await self.scheduler.submit(prompt_ids, params, on_token)
+        return await self.scheduler.submit(prompt_ids, params, on_token, self.tenant.index)
 
     def _sample_alone(
         self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None, gone: Gone
@@ -129,7 +148,7 @@ class TorchEngine(Engine):
                         on_token(k, t)
                     if matcher is not None:
                         matcher.accept_token(t)
-                    if t in self.runner.stop_ids or (matcher is not None and matcher.is_terminated()):
+                    if t in self.stop_ids or (matcher is not None and matcher.is_terminated()):
                         finish = "stop"
                         break
                     if params.stop:
@@ -148,8 +167,22 @@ class TorchEngine(Engine):
         return out
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` on the sampling thread, between two batches (`Scheduler.call`)."""
-        return await self.scheduler.call(fn, *args)
+        """Run `fn(*args)` on the sampling thread, between two batches (`Scheduler.call`). On an
+        engine other models share, on this model's own thread instead: what changes its weights
+        takes its lock (`LoraPolicy.editing`), which waits for its rows alone to leave the batch; the
+        models' calls take turns, first asked first served."""
+        if len(self.runner.tenants.all) == 1:
+            return await self.scheduler.call(fn, *args)
+        if self._calls is None:
+            self._calls = concurrent.futures.ThreadPoolExecutor(1, f"journeyman-model-{self.tenant.index}")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._calls, functools.partial(self._in_turn, fn, *args)
+        )
+
+    def _in_turn(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in this model's turn among the engine's models (`Tenants.turns`)."""
+        with self.runner.tenants.turns.turn():
+            return fn(*args)
 
     async def load_adapter(self, path: Path, step: int) -> None:
         # The trainer updated these very weights in place (and a resume loads them into the policy
@@ -158,8 +191,14 @@ class TorchEngine(Engine):
         self.step = self.policy.step = step
 
     def close(self) -> None:
-        """Stop the worker; requests still queued fail with EngineDownError instead of waiting."""
-        self.scheduler.close()
+        """Stop the worker; requests still queued fail with EngineDownError instead of waiting. On a
+        shared engine, this model leaves it; the worker stops with the last one."""
+        tenants = self.runner.tenants
+        tenants.leave(self.tenant)
+        if self._calls is not None:
+            self._calls.shutdown(wait=False)
+        if all(t.closed for t in tenants.all):
+            self.scheduler.close()
 
     def join(self, timeout: float) -> None:
         """Wait for the worker thread to finish after `close`."""
@@ -171,7 +210,7 @@ class TorchEngine(Engine):
 
     @property
     def alive(self) -> bool:
-        return self.scheduler.alive
+        return self.scheduler.alive and not self.tenant.closed
 
     @property
     def batches(self) -> int:

@@ -130,7 +130,7 @@ class LoraPolicy:
         re-takes it between two batches would otherwise starve a training step forever."""
         with self._editors:
             self._editors.wait_for(lambda: self.editors_waiting == 0)
-        with self.lock, self._attention_kernels():
+        with self.lock, self.attention_kernels():
             if not self.base.shared:
                 self.merge.merge()
             yield
@@ -145,7 +145,7 @@ class LoraPolicy:
     def editing(self) -> Iterator[None]:
         """Hold the weights to train or change the adapter: unmerged, so gradients reach the LoRA
         matrices and a change lands in them alone."""
-        with self._exclusive(), self._attention_kernels():
+        with self._exclusive(), self.attention_kernels():
             for ref in self._before_edit:
                 release = ref()
                 if release is not None:
@@ -160,7 +160,7 @@ class LoraPolicy:
         self._before_edit = [r for r in self._before_edit if r() is not None]
         self._before_edit.append(weakref.WeakMethod(release))
 
-    def _attention_kernels(self) -> contextlib.AbstractContextManager[object]:
+    def attention_kernels(self) -> contextlib.AbstractContextManager[object]:
         """On CUDA, attention without SDPA's cuDNN backend, which builds a plan for each new shape:
         packed rows and growing caches bring new shapes at every step (a bf16 train step on an H200:
         3.6 s with it, 0.9 s without). The flags are process-wide; they are set while the lock is held."""
