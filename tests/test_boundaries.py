@@ -401,6 +401,7 @@ LAYERS = (
     ("rollout",),
     ("client",),
     ("rewards", "integrations"),
+    ("environments",),  # the environment seam and its bridges: light, over the client
     ("policy",),
     ("engine",),
     ("training",),

@@ -45,6 +45,7 @@ from journeyman.errors import (
     EmptyGroupError,
     EngineDownError,
     EngineTimeoutError,
+    EnvironmentRolloutError,
     IdempotencyKeyReusedError,
     ImpossiblePlanError,
     InvalidFieldError,
@@ -64,6 +65,7 @@ from journeyman.rollout.capture import CAPTURE_HEADER, CapturedCall, capture_sco
 from journeyman.rollout.gather import gather_trajectory_groups
 
 if TYPE_CHECKING:
+    from journeyman import environments
     from journeyman.backends.connect import open_backend
     from journeyman.backends.local import LocalBackend
     from journeyman.backends.tracking import Tracker
@@ -78,7 +80,15 @@ _LAZY = {
 }
 
 
+# Subpackages imported on first access: `jm.environments` (light, but not needed by every agent).
+_LAZY_PACKAGES = ("environments",)
+
+
 def __getattr__(name: str) -> object:
+    if name in _LAZY_PACKAGES:
+        value = _import_module(f"{__name__}.{name}")
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -105,6 +115,7 @@ __all__ = [
     "EmptyGroupError",
     "EngineDownError",
     "EngineTimeoutError",
+    "EnvironmentRolloutError",
     "GateConfig",
     "History",
     "IdempotencyKeyReusedError",
@@ -148,6 +159,7 @@ __all__ = [
     "WakeMemoryError",
     "capture_scope",
     "current_backend",
+    "environments",
     "gather_trajectory_groups",
     "open_backend",
     "read_trajectories",

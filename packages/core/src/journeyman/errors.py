@@ -142,6 +142,19 @@ def _raised_at(e: BaseException) -> str:
     return f" (at {code.co_filename}:{tb.tb_lineno} in {code.co_name})"
 
 
+class EnvironmentRolloutError(JourneymanError, RuntimeError):
+    """An environment failed one task's rollout (it raised, or gave what is not a trajectory with a
+    finite reward): `.environment` and `.task` name where, `__cause__` is what it raised. Training and
+    evaluation count it against that task and go on (`journeyman.environments`)."""
+
+    def __init__(self, environment: str, task: str, error: BaseException) -> None:
+        self.environment = environment
+        self.task = task
+        self.error = error
+        self.__cause__ = error
+        super().__init__(f"environment {environment!r}, task {task!r}: {type(error).__name__}: {error}")
+
+
 class RolloutDroppedError(JourneymanError):
     """A run raised and an integration's `on_error="drop"` discards it; `error` is what it raised.
 

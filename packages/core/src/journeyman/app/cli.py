@@ -183,6 +183,124 @@ def demo(
     typer.echo(f"run directory: {result.run_dir}\nreward curve:  {result.plot}")
 
 
+_ENV = Annotated[
+    str,
+    typer.Option(
+        "--env",
+        help="the environment: module:function, gym:<module>:<id>[:k=v,...], verifiers:<module>[:k=v,...] "
+        "or openenv:<url> (docs/environments.md)",
+    ),
+]
+_ENV_MODEL = Annotated[str, typer.Option("--model", help="the trained model's name")]
+_ENV_PROJECT = Annotated[str, typer.Option(help="the model's project")]
+_MAX_TOKENS = Annotated[int, typer.Option(help="most tokens a completion samples")]
+
+
+@app.command("eval")
+@with_fields(identity=BASE_MODEL)
+def eval_env(
+    env: _ENV,
+    steps: Annotated[
+        str, typer.Option(help="steps to evaluate, comma-separated: numbers, latest (0 = base)")
+    ] = "latest",
+    k: Annotated[int, typer.Option("--k", help="samples a task (pass@k where rewards are 0 or 1)")] = 1,
+    tasks: Annotated[
+        int | None, typer.Option(help="the first N tasks of the eval split (default: all)")
+    ] = None,
+    temperature: Annotated[float | None, typer.Option(help="default: 0 (greedy) for --k 1, else 1")] = None,
+    max_tokens: _MAX_TOKENS = 64,
+    model: _ENV_MODEL = "env",
+    project: _ENV_PROJECT = "environments",
+    path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
+    backend: _BACKEND = None,
+    token: _SERVER_TOKEN = None,
+    *,
+    identity: dict[str, Any],
+) -> None:
+    """Evaluate a model on an environment's eval split at one or more steps: mean reward ± SE, pass@k,
+    the paired difference between steps; writes a results JSON and a plot under the run directory."""
+    from journeyman.app.env_commands import parse_steps, run_eval
+    from journeyman.environments import Sampling
+
+    chosen = parse_steps(steps)
+    base_model = BASE_MODEL.build(identity, name=model, project=project).base_model
+    temp = temperature if temperature is not None else (0.0 if k == 1 else 1.0)
+    report, written, png = asyncio.run(
+        run_eval(
+            env,
+            steps=chosen,
+            k=k,
+            tasks=tasks,
+            sampling=Sampling(temperature=temp, max_tokens=max_tokens),
+            name=model,
+            project=project,
+            base_model=base_model,
+            path=path,
+            backend_url=backend,
+            token=token,
+        )
+    )
+    for line in report.lines():
+        typer.echo(line)
+    typer.echo(f"results: {written}\nplot:    {png}")
+
+
+@app.command("train")
+@with_fields(identity=BASE_MODEL, train=DEMO_TRAIN)
+def train_env(
+    env: _ENV,
+    steps: Annotated[int, typer.Option(help="training steps")] = 10,
+    groups_per_step: Annotated[int, typer.Option(help="tasks drawn a step, one group each")] = 8,
+    group_size: Annotated[int, typer.Option(help="rollouts a task (the GRPO group; 2 or more)")] = 4,
+    temperature: Annotated[float, typer.Option(help="sampling temperature of the rollouts")] = 1.0,
+    max_tokens: _MAX_TOKENS = 64,
+    model: _ENV_MODEL = "env",
+    project: _ENV_PROJECT = "environments",
+    path: Annotated[Path, typer.Option(help="run directory root")] = Path(".journeyman"),
+    backend: _BACKEND = None,
+    token: _SERVER_TOKEN = None,
+    pipeline: Annotated[
+        bool, typer.Option(help="train with the PipelineTrainer: rollouts go on while a step trains")
+    ] = False,
+    *,
+    identity: dict[str, Any],
+    train: dict[str, Any],
+) -> None:
+    """Train a model with GRPO on an environment's train split (a group of rollouts for each task drawn);
+    `journeyman eval --env SPEC --steps 0,latest` then shows what it learned."""
+    from journeyman.app.env_commands import run_train
+    from journeyman.environments import Sampling, TrainStep
+
+    base_model = BASE_MODEL.build(identity, name=model, project=project).base_model
+
+    def on_step(s: TrainStep) -> None:
+        failed = f", {s.failed} failed" if s.failed else ""
+        skipped = " (skipped: no reward differed)" if s.skipped else ""
+        typer.echo(
+            f"step {s.step}: reward {s.reward:.3f} over {s.rollouts} rollouts{failed}, {s.seconds:.0f} s{skipped}"
+        )
+
+    _done, run_dir, reached = asyncio.run(
+        run_train(
+            env,
+            steps=steps,
+            groups_per_step=groups_per_step,
+            group_size=group_size,
+            learning_rate=DEMO_TRAIN.build(train).learning_rate,
+            sampling=Sampling(temperature=temperature, max_tokens=max_tokens),
+            name=model,
+            project=project,
+            base_model=base_model,
+            path=path,
+            pipeline=pipeline,
+            backend_url=backend,
+            token=token,
+            on_step=on_step,
+        )
+    )
+    typer.echo(f"{project}/{model} now at step {reached}; run directory: {run_dir}")
+
+
 @app.command()
 def report(
     run_dir: Annotated[
