@@ -397,3 +397,49 @@ def test_weight_bytes_are_read_from_the_headers_at_vllms_dtype(tmp_path: Path) -
     assert weight_bytes(tmp_path, "float32") == 256 * 256 * 4 + 32 * 4 + 24
     assert weight_bytes(tmp_path, "bfloat16") == 256 * 256 * 2 + 32 * 2 + 24
     assert weight_bytes(tmp_path, "auto") == weight_bytes(tmp_path, None) == 256 * 256 * 4 + 32 * 2 + 24
+
+
+# -- several models on one server ----------------------------------------------------------------------
+
+
+async def test_models_on_one_base_share_one_server_each_under_its_own_adapter_names(tmp_path: Path) -> None:
+    """A second model's engine samples on the first one's server: its steps are adapters of their
+    own names, a step does not put the shared server to sleep (the other model's traffic goes on),
+    a restart loads every model's served adapter again, and the server stops with the last model."""
+    first, log = await _engine(tmp_path)
+    second = await asyncio.to_thread(VLLMEngine, tmp_path / "model", {0}, share_with=first)
+    try:
+        assert second.server is first.server and second.shared and first.shared
+        await first.load_adapter(_adapter(tmp_path, "a1"), 1)
+        await second.load_adapter(_adapter(tmp_path, "b1"), 1)
+        await asyncio.gather(
+            first.generate([1, 2, 3], SamplingParams(max_tokens=2)),
+            second.generate([1, 2, 3], SamplingParams(max_tokens=2)),
+        )
+        await second.generate([1, 2], SamplingParams(max_tokens=2, base=True))
+        pid = first.server.pid
+        calls = [c for c in _calls(log, pid) if c != "health"]
+        assert calls[:3] == ["start", "load policy@1", "load policy-1@1"]
+        assert sorted(calls[3:5]) == ["complete policy-1@1", "complete policy@1"]
+        assert calls[5] == "complete policy"
+
+        await second.sleep()  # what a step of the second model does first: the server stays awake
+        assert not second.sleep_wake.asleep and not await _is_sleeping(first)
+        await first.generate([1, 2, 3], SamplingParams(max_tokens=2))
+
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (first.restarts == 0 or first.down is not None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert first.restarts == second.restarts == 1 and second.down is None
+        fresh = [c for c in _calls(log, first.server.pid) if c != "health"]
+        assert sorted(fresh[1:3]) == ["load policy-1@1", "load policy@1"]
+
+        first.close()  # the second model still samples on it
+        assert first.server.alive() and not first.alive and second.alive
+        await second.generate([1, 2, 3], SamplingParams(max_tokens=2))
+    finally:
+        first.close()
+        second.close()
+    assert not second.server.alive()

@@ -9,9 +9,10 @@ resident state). `MemoryPlan.check()` refuses a plan that does not fit with `Imp
 naming the changes that would make it fit, each tried on the plan itself.
 
 `models=N`: N models registered on one backend with the same base share one copy of its weights
-(issue 55); each further model adds its own adapter and AdamW state, and its own KV cache where its
-engine keeps one (the torch engine); vLLM serves them all from one server, N adapters resident
-beside one KV pool.
+(issue 55); each further model adds its own adapter and AdamW state. The in-process torch engine
+serves them all in one batch from one KV pool (`engine/tenants.py`); worker replicas (a process of
+each model's engine) keep a pool and a base each; vLLM serves them all from one server, N adapters
+resident beside one KV pool.
 
 Pure arithmetic on shapes (no torch), so `journeyman plan` answers in a second on any machine and
 `LocalBackend.register` asks before it loads a byte. What is an estimate, not a measurement: the
@@ -403,12 +404,13 @@ class MemoryPlan(BaseModel):
 
     @property
     def kv_tokens(self) -> int:
-        """Tokens of one KV pool: vLLM's one, or each model's torch engine's."""
+        """Tokens of one KV pool: the engine's one, or each model's replica's."""
         return max(0, self.engine_kv_cache) // self._kv_pools() // max(1, self.kv_bytes_per_token)
 
     def _kv_pools(self) -> int:
-        """KV pools the engine's share holds: one per model for the torch engine, vLLM's one."""
-        return self.models if self.layout.engine == "torch" else 1
+        """KV pools the engine's share holds: one per model for torch worker replicas (each model's
+        own processes), else one for all (vLLM's, or the in-process engine's mixed batches)."""
+        return self.models if self.layout.engine == "torch" and self.layout.data_parallel_size > 1 else 1
 
     def check(self) -> MemoryPlan:
         """This plan, or ImpossiblePlanError naming what does not fit and what to change."""
@@ -692,7 +694,8 @@ def _compute(
         # merged (the adapter runs beside the base layers): no undo log
         undo_log = adapted * b // 2 if b == 2 and models == 1 else 0
         engine_adapters = 4 * lora_params if own_copy else undo_log
-        # each model's engine keeps its own pool of KV slots (engine/kv.py)
+        # one pool of KV slots (engine/kv.py): the in-process engine batches every model's rows in it,
+        # a model's replica processes keep their own
         kv_one = layout.engine_rows * layout.max_model_len * kv_token
         # prefill of one longest row: its MLP's widest tensors, and logits at the last positions
         engine_runtime = layout.max_model_len * 3 * shape.intermediate_size * eb + layout.engine_rows * v * 4
@@ -704,11 +707,11 @@ def _compute(
         engine_weights, engine_adapters, engine_runtime = (
             x * copies for x in (engine_weights, engine_adapters, engine_runtime)
         )
-        kv_cache = kv_one * models
+        kv_cache = kv_one * copies
         engine_awake = engine_weights + engine_adapters + engine_runtime + kv_cache
         # replicas never sleep; the in-process engine holds nothing while the trainer runs
         engine_asleep = engine_awake if own_copy else 0
-        per_model = 12 * lora_params + (engine_awake // models if own_copy else kv_one)
+        per_model = 12 * lora_params + (engine_awake // models if own_copy else 0)
     training = resident + gathered + gradients + activations + head + engine_asleep
     sampling = resident + engine_awake
     usable = int(layout.gpu_bytes * (1 - _HEADROOM))
@@ -724,7 +727,7 @@ def _compute(
             f"vLLM's {layout.gpu_memory_utilization:g} of the GPU ({_gib(engine_awake)})"
             if layout.engine == "vllm"
             else f"the engine's {_gib(engine_awake)} (KV cache of {layout.engine_rows} rows"
-            + (f" for each of {models} models)" if models > 1 else ")")
+            + (f" for each of {models} models)" if models > 1 and layout.data_parallel_size > 1 else ")")
         )
         several = (
             f", of it {models} models' adapters and AdamW state {_gib(adapter + optimizer)},"

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from journeyman.backends.store import RunStore
 from journeyman.backends.tracking import Trackers, check_report_to, open_trackers
@@ -33,7 +33,6 @@ from journeyman.errors import InvalidFieldError
 if TYPE_CHECKING:
     from journeyman.chat.formats import ChatFormat
     from journeyman.engine import Engine
-    from journeyman.engine.torch_engine import TorchEngine
     from journeyman.engine.vllm_server import VLLMConfig
     from journeyman.policy.base_weights import BaseWeights
     from journeyman.policy.lora import LoraPolicy
@@ -43,6 +42,8 @@ if TYPE_CHECKING:
     from journeyman.training.trainer import GRPOTrainer
 
 log = logging.getLogger("journeyman")
+
+E = TypeVar("E", bound="Engine")
 
 
 class Live(Protocol):
@@ -266,20 +267,20 @@ class ServingSettings:
 
 class BaseRegistry:
     """A backend's bases: one `BaseWeights` per (base directory, device, dtype), which every model
-    registered on it with that base shares (`policy/base_weights.py`), and the in-process engines
-    on each, which the next model on that base joins (`TorchEngine(share_with=)`)."""
+    registered on it with that base shares (`policy/base_weights.py`), and the engines on each,
+    which the next model on that base joins (`TorchEngine(share_with=)`, `VLLMEngine(share_with=)`)."""
 
     def __init__(self) -> None:
         self._bases: dict[tuple[str, str | None, str], BaseWeights] = {}
-        self._engines: dict[int, list[TorchEngine]] = {}  # by id of the BaseWeights
+        self._engines: dict[int, list[Engine]] = {}  # by id of the BaseWeights
         self._lock = threading.Lock()  # two models registering at once on one new base
 
-    def engine_on(self, base: BaseWeights) -> TorchEngine | None:
-        """An open in-process engine sampling from `base`, for another model to join."""
+    def engine_on(self, base: BaseWeights, kind: type[E]) -> E | None:
+        """An open engine of `kind` sampling from `base`, for another model to join."""
         with self._lock:
-            return next((e for e in self._engines.get(id(base), []) if e.alive), None)
+            return next((e for e in self._engines.get(id(base), []) if isinstance(e, kind) and e.alive), None)
 
-    def add_engine(self, base: BaseWeights, engine: TorchEngine) -> None:
+    def add_engine(self, base: BaseWeights, engine: Engine) -> None:
         with self._lock:
             engines = [e for e in self._engines.get(id(base), []) if e.alive]
             self._engines[id(base)] = [*engines, engine]
@@ -310,7 +311,8 @@ def assemble(
     # The heavy modules load here, when a model is first served, not at `import journeyman`.
     bases = bases or BaseRegistry()
     base = bases.get(path, settings.device, settings.dtype)
-    check_memory_plan(settings, model, base)  # an impossible layout is refused before any weights load
+    # an impossible layout is refused before any weights load
+    check_memory_plan(settings, model, base, others=len(base.users()))
     from journeyman.chat.formats import ChatFormat
     from journeyman.policy.lora import LoraPolicy
     from journeyman.serving.endpoint import Endpoint, ServerThread, build_app
@@ -366,13 +368,19 @@ def assemble(
     )
 
 
-def check_memory_plan(settings: ServingSettings, model: ModelConfig, base: BaseWeights) -> None:
+def check_memory_plan(
+    settings: ServingSettings, model: ModelConfig, base: BaseWeights, others: int = 0
+) -> None:
     """Log what each GPU will hold (`backends/memory_plan.py`, from the base's config.json and
-    TrainConfig's defaults), counting every model on the base with this one; on CUDA refuse, with
-    ImpossiblePlanError naming what to change, a layout that cannot fit. On the CPU it is advice
-    only: host memory is shared and paged."""
+    TrainConfig's defaults), counting the `others` models already served on the base with this
+    one; on CUDA refuse, with ImpossiblePlanError naming what to change, a layout that cannot fit.
+    On the CPU it is advice only: host memory is shared and paged. A vLLM server that several
+    models share stays awake through their steps (`engine/vllm_engine.py`): planned so."""
     from journeyman.backends.memory_plan import plan_for_backend
 
+    vllm = settings.vllm_config or (None if settings.engine_kind == "torch" else _default_vllm())
+    if vllm is not None and others:
+        vllm = vllm.model_copy(update={"sleep_mode": False})
     try:
         plan = plan_for_backend(
             base.config,
@@ -380,9 +388,9 @@ def check_memory_plan(settings: ServingSettings, model: ModelConfig, base: BaseW
             device=settings.device,
             dtype=settings.dtype,
             trainer=settings.trainer,
-            vllm=settings.vllm_config or (None if settings.engine_kind == "torch" else _default_vllm()),
+            vllm=vllm,
             engine_replicas=settings.engine_replicas,
-            models=len(base.users()) + 1,
+            models=others + 1,
         )
     except (InvalidFieldError, OSError, ValueError) as e:  # a model the plan does not model
         log.warning("%s: no memory plan (%s)", model.name, e)
@@ -411,17 +419,20 @@ def _make_engine(
     if settings.engine_kind == "vllm":
         from journeyman.engine.vllm_engine import VLLMEngine
 
-        return VLLMEngine(
+        engine = VLLMEngine(
             base.path,
             chat_format.stop_ids,
             settings.vllm_config or _default_vllm(),
             dtype=settings.dtype,
             lora_rank=policy.lora.r,
+            share_with=bases.engine_on(base, VLLMEngine),
         )
+        bases.add_engine(base, engine)
+        return engine
     if settings.engine_in_process:  # samples from the very weights the trainer updates
         from journeyman.engine.torch_engine import TorchEngine
 
-        engine = TorchEngine(policy, chat_format.stop_ids, share_with=bases.engine_on(base))
+        engine = TorchEngine(policy, chat_format.stop_ids, share_with=bases.engine_on(base, TorchEngine))
         bases.add_engine(base, engine)
         return engine
     from journeyman.engine.replicas import ReplicatedEngine

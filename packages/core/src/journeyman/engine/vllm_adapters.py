@@ -6,6 +6,9 @@ steps' weights. The newest two served steps stay registered. A request may name 
 (`SamplingParams.adapter`, live training's candidate beside the promoted step): it is registered
 under its step's name on its first request, which the requests for it meanwhile wait for, and the
 newest two such side steps stay registered.
+
+Several models on one server (`VLLMEngine(share_with=)`) keep their adapters apart by name: the
+first model's steps are `policy@<step>`, model k's `policy-k@<step>`.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ BASE_NAME = "policy"  # the name vLLM serves the base model under
 _KEEP = 2  # registered adapters kept of each kind: a request still running may use the older one
 
 
-def lora_name(step: int) -> str:
-    """The name vLLM serves a step's adapter under (the base model is `BASE_NAME` alone)."""
-    return f"{BASE_NAME}@{step}"
+def lora_name(step: int, model: str = BASE_NAME) -> str:
+    """The name vLLM serves a step's adapter under (the base model is `BASE_NAME` alone); `model`:
+    the model's name on a server several share (`VLLMAdapters.model`)."""
+    return f"{model}@{step}"
 
 
 def step_of(model: str) -> int:
@@ -43,7 +47,8 @@ class VLLMAdapters:
     """The served steps' adapters (newest last), the side steps' and the adapter to load again after
     a restart or a wake. Its coroutines run on the caller's event loop, with the caller's client."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, model: str = BASE_NAME) -> None:
+        self.model = model  # what this model's adapters are named after on the server
         self._timeout_s = timeout_s  # how long a request waits for another's load of its side step
         self._served: list[str] = []  # LoRA names registered in vLLM, oldest first
         # steps served beside them (`SamplingParams.adapter`), oldest first: set once registered
@@ -60,7 +65,7 @@ class VLLMAdapters:
         if params.base:
             return BASE_NAME  # vLLM serves the base by its name
         if params.adapter is not None:
-            return lora_name(params.adapter_step or 0)
+            return lora_name(params.adapter_step or 0, self.model)
         return self.served_model
 
     def forget(self) -> None:
@@ -70,7 +75,7 @@ class VLLMAdapters:
 
     async def serve(self, c: httpx.AsyncClient, path: Path, step: int) -> None:
         """Register `path` as `step`'s adapter and serve it from now on (`trim` unloads the oldest)."""
-        name = lora_name(step)
+        name = lora_name(step, self.model)
         await self._register(c, name, path)
         self._side.pop(name, None)  # a step served beside, now the served one (a promoted candidate)
         if name in self._served:

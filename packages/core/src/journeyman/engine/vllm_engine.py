@@ -24,6 +24,14 @@ On CUDA, vLLM sleeps through each training step and wakes in stages, each checke
 device's free memory first (`vllm_handoff`, `handoff`): its weights (re-read from disk at sleep level 2), then
 the step's adapter, then its KV cache. A wake that is refused or times out leaves the engine asleep
 and its requests failing fast (`EngineDownError`) until a later wake succeeds.
+
+Several models on one base share one server (`share_with`, which `backends/service.py` uses for
+every model registered on a base already served): each model's steps are adapters of their own
+names (`vllm_adapters`), sampled in the same batches, and a restarted server gets every model's
+served adapter back. A server that several models share does not sleep through a step: that would
+stall every other model's traffic for it; the memory plan then checks that the trainer fits beside
+vLLM awake (`backends/service.py: check_memory_plan`). vLLM holds `VLLMConfig.max_loras` adapters
+in a batch at once: give it two a model for every model's rows to batch together.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import logging
 import threading
 import time
 import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +72,17 @@ __all__ = ["VLLMEngine", "VLLMRequestError", "VLLMWakeError"]
 log = logging.getLogger("journeyman.vllm")
 
 
+@dataclass
+class _Supervision:
+    """The server's state, one for every model it serves (`VLLMEngine.share_with`)."""
+
+    engines: list[VLLMEngine] = field(default_factory=list)  # the open engines on the server
+    down: str | None = None  # why requests are refused, while the server is down
+    restarts: int = 0
+    restart_pending: bool = False  # exited asleep: restart at the wake
+    restarting: bool = False
+
+
 class VLLMEngine(Engine):
     """Samples through a vLLM OpenAI server that this engine starts, supervises and stops."""
 
@@ -77,36 +97,81 @@ class VLLMEngine(Engine):
         dtype: str = "float32",
         lora_rank: int = 8,
         memory_probe: handoff.MemoryProbe = handoff.cuda_memory,
+        share_with: VLLMEngine | None = None,
     ) -> None:
         """`memory_probe` reads the device's free memory before each wake stage (None answers: no
-        check, as on the CPU)."""
-        self.config = config or VLLMConfig()
+        check, as on the CPU). With `share_with` (another model's engine on the same base), this
+        model samples on that engine's server, and `config` is that engine's."""
         self.stop_ids = sorted(stop_ids)
-        self.server = VLLMServer(
-            model_dir, self.config, served_name=BASE_NAME, dtype=dtype, lora_rank=lora_rank
-        )
         self.step = 0
         self.adapter_load_seconds: list[float] = []
         self._served = 0
-        self.adapters = VLLMAdapters(self.config.request_timeout_s)
+        self._warned_sleep = False
         # httpx clients are bound to the event loop they were first used on; the endpoint's server
         # thread and the caller's loop (training, tests) each get their own.
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
             weakref.WeakKeyDictionary()
         )
+        if share_with is not None:
+            self.config, self.server = share_with.config, share_with.server
+            self.sleep_wake, self._sup = share_with.sleep_wake, share_with._sup
+            self.adapters = VLLMAdapters(
+                self.config.request_timeout_s, f"{BASE_NAME}-{len(self._sup.engines)}"
+            )
+            self._sup.engines.append(self)
+            return
+        self.config = config or VLLMConfig()
+        self.server = VLLMServer(
+            model_dir, self.config, served_name=BASE_NAME, dtype=dtype, lora_rank=lora_rank
+        )
+        self._sup = _Supervision(engines=[self])
+        self.adapters = VLLMAdapters(self.config.request_timeout_s)
         # the handoff (sleep → train → staged wake); see the module docstring
         self.sleep_wake = VLLMHandoff(self.server, self.config, memory_probe)
-        self._warned_sleep = False
-        self._down: str | None = None  # why requests are refused, while the server is down
-        self.restarts = 0
-        self._restart_pending = False  # exited asleep: restart at the wake
-        self._restarting = False
         self.server.on_exit = self._on_exit
         self.server.start()
 
     @property
     def base_url(self) -> str:
         return self.server.base_url
+
+    @property
+    def alive(self) -> bool:
+        """Until this model's engine is closed (a server restarting is still this engine's)."""
+        return self in self._sup.engines
+
+    @property
+    def shared(self) -> bool:
+        """Other models sample on this engine's server."""
+        return len(self._sup.engines) > 1
+
+    @property
+    def _down(self) -> str | None:
+        return self._sup.down
+
+    @_down.setter
+    def _down(self, why: str | None) -> None:
+        self._sup.down = why
+
+    @property
+    def restarts(self) -> int:
+        return self._sup.restarts
+
+    @property
+    def _restart_pending(self) -> bool:
+        return self._sup.restart_pending
+
+    @_restart_pending.setter
+    def _restart_pending(self, pending: bool) -> None:
+        self._sup.restart_pending = pending
+
+    @property
+    def _restarting(self) -> bool:
+        return self._sup.restarting
+
+    @_restarting.setter
+    def _restarting(self, restarting: bool) -> None:
+        self._sup.restarting = restarting
 
     @property
     def requests_served(self) -> int:
@@ -192,16 +257,17 @@ class VLLMEngine(Engine):
         threading.Thread(target=self._restart, name="journeyman-vllm-restart", daemon=True).start()
 
     def _restart(self) -> None:
-        """A fresh server (it starts awake), serving the served step's adapter."""
+        """A fresh server (it starts awake), serving each model's served step's adapter."""
         self._restarting = True
-        self.restarts += 1
+        self._sup.restarts += 1
         try:
             self.server.restart()
-            self._clients.clear()  # bound to the old server's connections (and maybe its port)
-            self.adapters.forget()
             self.sleep_wake.reset()
-            if self.adapters.current is not None:
-                asyncio.run(self.load_adapter(*self.adapters.current))
+            for engine in self._sup.engines:
+                engine._clients.clear()  # bound to the old server's connections (and maybe its port)
+                engine.adapters.forget()
+                if engine.adapters.current is not None:
+                    asyncio.run(engine.load_adapter(*engine.adapters.current))
         except Exception as e:
             self._down = f"the vLLM server exited and could not be restarted: {e}"
             self._restarting = False
@@ -325,7 +391,13 @@ class VLLMEngine(Engine):
 
     async def sleep(self) -> None:
         """Free the GPU for a training step: requests in flight finish (mode=wait), new ones wait;
-        vLLM drops its KV cache and its weights (level 2) or copies them to host memory (level 1)."""
+        vLLM drops its KV cache and its weights (level 2) or copies them to host memory (level 1).
+        Not on a server other models share (see the module)."""
+        if self.shared and not self.sleep_wake.asleep:
+            if not self._warned_sleep:
+                log.info("vLLM serves several models: it stays awake through each one's training steps")
+                self._warned_sleep = True
+            return
         if not self.server.sleep_mode:
             if not self._warned_sleep:
                 log.info("vLLM sleep mode is off (not supported on CPU): the server stays up during training")
@@ -381,6 +453,13 @@ class VLLMEngine(Engine):
             raise EngineDownError(f"wake: {self._down}")
 
     def close(self) -> None:
+        """Stop the server, unless other models still sample on it (then this model leaves it)."""
+        engines = self._sup.engines
+        if self in engines:
+            engines.remove(self)
+        if engines:
+            self._clients.clear()
+            return
         self.server.stop()
         self.sleep_wake.awake.set()
         # Clients bound to other loops cannot be awaited here; drop them (the server is gone anyway).
