@@ -132,3 +132,63 @@ def test_bad_specs_are_named_errors() -> None:
             load(spec)
         assert raised.value.field == "spec"
     assert load(GAME).max_turns == 32  # type: ignore[attr-defined]  # the bridge's bound; the game's is 2
+
+
+# verifiers' classic surface, as an environment module on the Environments Hub writes it. A stand-in:
+# verifiers 0.4 (the release that resolves with this workspace's lock) has no load_environment.
+CLASSIC_MODULE = '''
+from types import SimpleNamespace
+
+
+class Rubric:
+    async def score_rollout(self, prompt, completion, answer="", state=None, task="default", info=None):
+        said = " ".join(m["content"] or "" for m in completion if m["role"] == "assistant")
+        hit = float(answer in said)
+        return SimpleNamespace(reward=hit, metrics={"hit": hit, "turns": state["turns"]})
+
+
+class TwoTurns:
+    """Multi-turn: the model answers, the environment replies once, the model answers again."""
+
+    def __init__(self, rows):
+        self.rows, self.rubric = rows, Rubric()
+
+    def get_dataset(self):
+        return self.rows[:-2]
+
+    def get_eval_dataset(self):
+        return self.rows[-2:]
+
+    async def rollout(self, client, model, prompt, answer="", task="default", info=None, sampling_args=None):
+        messages, completion = list(prompt), []
+        for turn in range(2):
+            out = await client.chat.completions.create(model=model, messages=messages, **sampling_args)
+            said = {"role": "assistant", "content": out.choices[0].message.content}
+            reply = {"role": "user", "content": "Say it once more."}
+            messages += [said, reply] if turn == 0 else [said]
+            completion += [said, reply] if turn == 0 else [said]
+        return completion, {"turns": 2}
+
+
+def load_environment(n=4):
+    rows = [{"prompt": [{"role": "user", "content": f"Say {i}."}], "answer": str(i)} for i in range(n)]
+    return TwoTurns(rows)
+'''
+
+
+async def test_a_verifiers_module_multi_turn_with_its_rubric_and_splits(
+    served: tuple[Any, Any], tmp_path: Path
+) -> None:
+    model, _ = served
+    (tmp_path / "say_env.py").write_text(CLASSIC_MODULE)
+    env = load(f"verifiers:{tmp_path / 'say_env.py'}:n=5")
+    assert len(env.tasks("train")) == 3 and len(env.tasks("eval")) == 2
+    trajectory = await run_task(env, model, env.tasks("eval")[0], SHORT)
+    assert trajectory.metrics["turns"] == 2 and trajectory.metrics["hit"] == trajectory.reward
+    # both completions the environment made are on the trajectory, token-exactly
+    records = trajectory.records()
+    assert len(records) == 2 and all(r.token_ids for r in records)
+    (tmp_path / "no_env.py").write_text("def make():\n    return None\n")
+    with pytest.raises(jm.InvalidFieldError, match="has no load_environment") as raised:
+        load(f"verifiers:{tmp_path / 'no_env.py'}")
+    assert raised.value.field == "spec"
