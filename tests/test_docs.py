@@ -57,6 +57,7 @@ RUN_TIMEOUT_S = 420
 # Sketches: block -> the names it uses that the reader supplies (their tools, reward, scenarios).
 # Compiled and checked, not run. Names an earlier block of the same file defines are not the reader's.
 READER_NAMES: dict[tuple[str, str], set[str]] = {
+    ("docs/environments.md", 'env = jm.environments.load("gym:textarena'): {"model"},
     ("README.md", "async def rollout(scenario) -> jm.Trajectory:"): {
         "TOOLS",
         "run_tool",
@@ -743,6 +744,12 @@ RUN: dict[tuple[str, str], tuple[str, str]] = {
 }
 # Not run here: command -> why. Their arguments are still parsed (see above).
 NOT_RUN: dict[tuple[str, str], str] = {
+    ("docs/environments.md", "journeyman train --env gym:textarena"): (
+        "minutes of training (packages/core/tests/environments runs a step of it small)"
+    ),
+    ("docs/environments.md", "journeyman eval --env gym:textarena"): (
+        "the trained model of the command above (packages/core/tests/environments evaluates steps 0 and latest)"
+    ),
     ("README.md", "./dev test"): "the whole test suite, which this test is part of",
     ("README.md", "mcp-rl train http://127.0.0.1:8000/mcp"): "an MCP server on port 8000 (yours)",
     ("README.md", "mcp-rl train -- mcp-server-time"): (
