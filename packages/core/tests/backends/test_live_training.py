@@ -341,8 +341,9 @@ def run_history(backend: Any, model: jm.TrainableModel) -> list[dict[str, Any]]:
 
 async def test_kill_9_of_the_server_with_scored_episodes_waiting_loses_none(tmp_path: Path) -> None:
     """Episodes from any language (plain HTTP: the header, then the outcome route), scored and
-    waiting; `kill -9` of `journeyman serve`; the restarted server has every one of them, knows their
-    outcomes (a repeat is a duplicate), and trains them."""
+    waiting, and one still open (its calls made, no outcome yet); `kill -9` of `journeyman serve`;
+    the restarted server has every one of them, knows their outcomes (a repeat is a duplicate),
+    takes the open one's outcome with its calls, and trains them all."""
     token = secrets.token_urlsafe(24)
     server = ServerProcess(tmp_path, token).start()
     model = jm.TrainableModel(
@@ -370,6 +371,16 @@ async def test_kill_9_of_the_server_with_scored_episodes_waiting_loses_none(tmp_
                 "/journeyman/v1/models/tiny/outcome", json={"episode_id": "ep-9", "reward": 1}
             )
             assert r.status_code == 400 and r.json()["error"]["param"] == "episode_id"
+            for turn in range(2):  # an episode still running when the server dies: no outcome yet
+                ask = {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": f"Turn {turn}."}],
+                    "max_tokens": 4,
+                }
+                r = await http.post(
+                    "/v1/chat/completions", json=ask, headers={"x-journeyman-capture": "ep-open"}
+                )
+                assert r.status_code == 200, r.text
         assert (await model.live_status()).episodes_waiting == 5
     finally:
         server.kill()  # SIGKILL: nothing is flushed or closed
@@ -378,21 +389,23 @@ async def test_kill_9_of_the_server_with_scored_episodes_waiting_loses_none(tmp_
         status = await model.live_status()  # the server registered the model and resumed live training
         assert (status.episodes_waiting, status.counts["outcomes"]) == (5, 5)
         assert (await model.report_outcome("ep-3", 0.75)).status == "duplicate"
-        config = jm.LiveConfig(episodes_per_step=5, settle_s=0.0, gate=jm.GateConfig(canary_share=0.0))
+        opened = await model.report_outcome("ep-open", 0.5)  # its two calls, from before the kill
+        assert (opened.status, opened.calls) == ("accepted", 2)
+        config = jm.LiveConfig(episodes_per_step=6, settle_s=0.0, gate=jm.GateConfig(canary_share=0.0))
         await model.live(config)
         deadline = time.monotonic() + 120
         while (status := await model.live_status()).candidate is None:
             assert time.monotonic() < deadline and status.error is None, status
             await asyncio.sleep(0.2)
         (row,) = [r for r in await model.history() if r.get("split") == "train"]
-        assert (row["parent"], row["candidate"], row["train/groups"]) == (0, 1, 4)  # ep-0 and ep-1: one group
-        assert status.promoted == 0 and status.episodes_waiting == 0 and status.counts["trained"] == 5
+        assert (row["parent"], row["candidate"], row["train/groups"]) == (0, 1, 5)  # ep-0 and ep-1: one group
+        assert status.promoted == 0 and status.episodes_waiting == 0 and status.counts["trained"] == 6
         # the status command, as a person runs it
         cli = [sys.executable, "-m", "journeyman.app.cli", "live", "status", "tiny", "--server", server.url]
         shown = subprocess.run(
             [*cli, "--token", token], capture_output=True, text=True, timeout=120, check=True
         ).stdout
-        assert "promoted step 0, candidate 1" in shown and "5 trained in 1 steps" in shown, shown
+        assert "promoted step 0, candidate 1" in shown and "6 trained in 1 steps" in shown, shown
         # a Langfuse score as an episode's outcome, by command (`journeyman live langfuse`)
         await _call(model, "ep-lf")
         receiver, lf = _langfuse()

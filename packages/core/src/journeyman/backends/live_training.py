@@ -23,6 +23,8 @@ with its reason: a history row, `set_aside` in the counts and in settled.jsonl; 
                                   one trajectory each (metadata: episode id, group key, baseline at
                                   arrival, serving step); every line is fsynced before the answer
     state.json                    promoted step, the candidate, each candidate's parent
+    open_calls.jsonl              the calls of episodes whose outcome has not come (`Captures.
+                                  keep_on_disk`): filed again after a restart
 """
 
 from __future__ import annotations
@@ -218,6 +220,10 @@ class LiveRun:
         await self.s.serve(self.promoted)
         self._serve_candidate()
         self.s.captures.max_age_s = self.config.episode_ttl_s
+        # open episodes' calls on disk as they are filed: an outcome after a crash finds them
+        restored = await asyncio.to_thread(self.s.captures.keep_on_disk, self.folder / "open_calls.jsonl")
+        if restored:
+            log.info("%s: %d calls of open episodes restored from before a restart", self.s.name, restored)
         if self.task is None:
             self.task = asyncio.create_task(self._loop())
 

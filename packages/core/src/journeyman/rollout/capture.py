@@ -10,18 +10,28 @@ inside `owned_by(<token name>)`, and `capture_key` files and finds an id under t
 token's `captures` pop and outcomes never see (or take) another token's calls, whatever ids they
 send. In process (no token) an id is its own key. Captures live in one model's endpoint: a model's
 captures are its own too.
+
+Under live training the calls held are journaled (`Captures.keep_on_disk`): each call filed is
+appended to a file as it is filed, each take and drop too, and a restarted server files again what
+the file holds. An episode whose outcome has not come yet survives `kill -9` of the server; its
+outcome, posted after the restart, finds its calls. Each line is flushed to the operating system
+before the call's answer is sent (a process that dies loses nothing; a machine that loses power may
+lose the last lines, which the outcomes journal, fsynced, does not).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
+import os
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any, overload
+from pathlib import Path
+from typing import IO, Any, overload
 
 from pydantic import BaseModel, Field
 
@@ -33,6 +43,7 @@ MAX_CAPTURE_IDS = 10_000  # capture ids an endpoint holds; past it the least rec
 CAPTURE_MAX_AGE_S = 3600.0  # a capture id with no call filed for this long is dropped (live: episode_ttl_s)
 MAX_CAPTURE_ID_CHARS = 256  # characters of an `x-journeyman-capture` id (400 past it, before sampling)
 MAX_CALLS_PER_CAPTURE = 1024  # calls one capture id holds until popped (400 past it, before sampling)
+COMPACT_LINES = 10_000  # journal lines (`keep_on_disk`) past which takes and drops are compacted away
 
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("journeyman_capture", default=None)
 # the name of the API token whose request is being answered (`journeyman serve`); None in process
@@ -102,6 +113,55 @@ class Captures:
         self._max = max_ids
         self.max_age_s = max_age_s
         self.dropped = 0
+        self._journal: IO[str] | None = None  # `keep_on_disk`
+        self.journal_path: Path | None = None
+        self._lines = 0  # lines in the journal
+
+    def keep_on_disk(self, path: Path) -> int:
+        """Journal the calls held to `path` from now on, after filing again what it holds from
+        before (a restart). Returns the calls restored. Calling it again for the same path changes
+        nothing; the file is rewritten with what is held now (older lines compacted away)."""
+        path = Path(path)
+        with self._lock:
+            if self.journal_path == path:
+                return 0
+            restored = _replay(path) if path.exists() else {}
+            now = time.monotonic()
+            for key, calls in restored.items():
+                _, held = self._calls.pop(key, (now, []))
+                self._calls[key] = (now, calls + held)
+            self.journal_path = path
+            self._compact()
+            self._expire(now)
+            return sum(len(c) for c in restored.values())
+
+    def _compact(self) -> None:
+        """Rewrite the journal with the calls held now, alone (under the lock)."""
+        assert self.journal_path is not None
+        tmp = self.journal_path.with_suffix(".tmp")
+        self.journal_path.parent.mkdir(parents=True, exist_ok=True)
+        with tmp.open("w") as f:
+            for key, (_, calls) in self._calls.items():
+                for call in calls:
+                    f.write(_line({"add": key, "call": call.model_dump(mode="json")}))
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(self.journal_path)
+        if self._journal is not None:
+            self._journal.close()
+        self._journal = self.journal_path.open("a")
+        self._lines = sum(len(calls) for _, calls in self._calls.values())
+
+    def _log(self, record: dict[str, Any]) -> None:
+        """One journal line (under the lock), flushed to the operating system at once; a journal
+        grown to COMPACT_LINES lines, over twice what is held, is rewritten with what is held."""
+        if self._journal is None:
+            return
+        self._journal.write(_line(record))
+        self._journal.flush()
+        self._lines += 1
+        if self._lines >= COMPACT_LINES and self._lines > 2 * sum(len(c) for _, c in self._calls.values()):
+            self._compact()
 
     def add(self, capture_id: str, call: CapturedCall) -> None:
         now = time.monotonic()
@@ -109,6 +169,7 @@ class Captures:
             _, calls = self._calls.pop(capture_id, (now, []))
             calls.append(call)
             self._calls[capture_id] = (now, calls)
+            self._log({"add": capture_id, "call": call.model_dump(mode="json")})
             self._expire(now)
 
     def expire(self) -> int:
@@ -122,6 +183,7 @@ class Captures:
             len(self._calls) > self._max or next(iter(self._calls.values()))[0] < now - self.max_age_s
         ):
             cid, _ = self._calls.popitem(last=False)
+            self._log({"drop": cid})
             self.dropped += 1
             self._dropped_ids[cid] = None
             while len(self._dropped_ids) > self._max:
@@ -170,7 +232,10 @@ class Captures:
 
     def pop(self, capture_id: str) -> list[CapturedCall]:
         with self._lock:
-            return self._calls.pop(capture_id, (0.0, []))[1]
+            calls = self._calls.pop(capture_id, (0.0, []))[1]
+            if calls:
+                self._log({"drop": capture_id})
+            return calls
 
     def peek(self, capture_id: str) -> list[CapturedCall]:
         """The calls held under `capture_id`, left in place (`take` them once they are safe elsewhere)."""
@@ -184,6 +249,7 @@ class Captures:
             if held is None:
                 return
             del held[1][:n]
+            self._log({"take": capture_id, "n": n})
             if not held[1]:
                 del self._calls[capture_id]
 
@@ -199,6 +265,30 @@ class Captures:
 
     def __len__(self) -> int:
         return len(self._calls)
+
+
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps(record, separators=(",", ":")) + "\n"
+
+
+def _replay(path: Path) -> dict[str, list[CapturedCall]]:
+    """The calls a journal (`Captures.keep_on_disk`) holds, by capture key. A last line cut off by
+    the crash is skipped; so is a line that does not parse (logged nowhere: it held no whole call)."""
+    held: dict[str, list[CapturedCall]] = {}
+    with path.open() as f:
+        for raw in f:
+            try:
+                record = json.loads(raw)
+                if "add" in record:
+                    held.setdefault(record["add"], []).append(CapturedCall.model_validate(record["call"]))
+                elif "take" in record:
+                    calls = held.get(record["take"], [])
+                    del calls[: int(record["n"])]
+                elif "drop" in record:
+                    held.pop(record["drop"], None)
+            except (ValueError, KeyError, TypeError):
+                continue
+    return {k: v for k, v in held.items() if v}
 
 
 def current_capture_id() -> str | None:
