@@ -29,6 +29,7 @@ SERVING = [
     "serving/drain.py",
     "serving/responses_api.py",
     "serving/messages_api.py",
+    "serving/model_limits.py",
     "engine/base.py",
     "engine/grammar.py",
     "chat/messages.py",

@@ -104,9 +104,9 @@ def test_the_tenant_cannot_read_train_or_capture_another_model(tenancy: Tenancy)
         _refused(
             c.post(f"{PREFIX}/register", json={"model": {"name": "gamma", "project": "tenants"}}), "gamma"
         )
-        # deleting checkpoints needs scope admin, which no model-scoped token gets from `add`
-        r = c.post(f"{model}/delete_checkpoints", json={})
-        assert r.status_code == 403 and "'admin'" in r.json()["error"]["message"]
+        _refused(c.post(f"{model}/decide", json={"action": "reject"}))
+        # a model's checkpoints are its tenant's (scope train): another's is refused by its name
+        _refused(c.post(f"{model}/delete_checkpoints", json={}))
 
 
 async def test_the_tenant_does_all_of_its_own(tenancy: Tenancy, mine: jm.TrainableModel) -> None:
@@ -139,6 +139,48 @@ async def test_the_tenant_does_all_of_its_own(tenancy: Tenancy, mine: jm.Trainab
         assert c.post("/v1/chat/completions", json=body, headers=episode).status_code == 200
         r = c.post(f"{model}/outcome", json={"episode_id": "e1", "reward": 1.0})
         assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
+
+
+async def test_the_tenant_deletes_its_own_checkpoints_and_no_others(
+    tenancy: Tenancy, mine: jm.TrainableModel
+) -> None:
+    """Scope train is enough for a tenant's own model (its runs are its business); a sample token
+    scoped to it is refused by scope, and an unscoped train token still needs admin for any model."""
+    assert await mine.get_step() >= 1  # trained above: a checkpoint to keep or delete
+    with tenancy.http(tenancy.tenant) as c:
+        r = c.post(f"{PREFIX}/models/{MINE}/delete_checkpoints", json={})
+        assert r.status_code == 200 and isinstance(r.json(), list), r.text
+        _refused(c.post(f"{PREFIX}/models/{THEIRS}/delete_checkpoints", json={}))
+    with tenancy.http(tenancy.server.token) as admin:
+        secrets_by_name = {}
+        for name, scope, models in (("reader", "sample", [MINE]), ("trainer", "train", None)):
+            r = admin.post(f"{PREFIX}/tokens", json={"name": name, "scope": scope, "models": models})
+            assert r.status_code == 200, r.text
+            secrets_by_name[name] = r.json()["token"]
+    for name, needed in (("reader", "'train'"), ("trainer", "'admin'")):
+        with tenancy.http(secrets_by_name[name]) as c:
+            r = c.post(f"{PREFIX}/models/{MINE}/delete_checkpoints", json={})
+            assert r.status_code == 403 and needed in r.json()["error"]["message"], (name, r.text)
+
+
+def test_a_response_made_for_another_model_cannot_be_continued(tenancy: Tenancy) -> None:
+    """No response is stored (`previous_response_id` is refused as unsupported), and a tenant naming
+    another's model with it is refused by the model first, streamed or not: nothing of the other
+    tenant's response comes back either way."""
+    with tenancy.http(tenancy.server.token) as admin:
+        r = admin.post("/v1/responses", json={"model": THEIRS, "input": "Hi", "max_output_tokens": 4})
+        assert r.status_code == 200, r.text
+        theirs = r.json()
+    with tenancy.http(tenancy.tenant) as c:
+        for stream in (False, True):
+            body = {"model": THEIRS, "input": "Go on", "previous_response_id": theirs["id"], "stream": stream}
+            _refused(c.post("/v1/responses", json=body))
+        body = {"model": MINE, "input": "Go on", "previous_response_id": theirs["id"]}
+        r = c.post("/v1/responses", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text
+        assert theirs["output"][-1]["id"] not in r.text
+        # another route's body that is wrong besides naming another tenant's model: the model's 403
+        _refused(c.post("/v1/chat/completions", json={"model": THEIRS, "messages": PROMPT, "n": 0}))
 
 
 async def test_models_and_info_list_the_tenants_models_alone(

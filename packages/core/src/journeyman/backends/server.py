@@ -212,6 +212,11 @@ class _TenantServed:
     def __init__(self, backend: ServedBackend) -> None:
         self.backend = backend
 
+    def admit(self, model: object) -> None:
+        """Before a route reads the rest of the body (a Responses `previous_response_id`, a
+        malformed field): another tenant's model is refused by name, not by what else was sent."""
+        _check_tenant(model)
+
     async def chat_completion(
         self,
         body: dict[str, Any],
@@ -405,6 +410,7 @@ def _add_route(
 async def _register(backend: ServedBackend, model: ModelConfig) -> Registered:
     _check_registry(backend, model)  # before loading anything: a name lives in one project
     await backend.register(model)
+    _limit(backend, model)
     log.info("registered %s/%s (base %s)", model.project, model.name, model.base_model)
     _remember(backend, model)
     return Registered(run_dir=str(backend.run_dir(model)))
@@ -643,8 +649,20 @@ async def restore(backend: ServedBackend) -> list[str]:
     path = _registry(backend)
     known = json.loads(path.read_text()) if path.exists() else {}
     for raw in known.values():
-        await backend.register(ModelConfig.model_validate(raw))
+        model = ModelConfig.model_validate(raw)
+        await backend.register(model)
+        _limit(backend, model)
     return list(known)
+
+
+def _limit(backend: ServedBackend, model: ModelConfig) -> None:
+    """`model`'s caps on rows in flight and requests a minute, on the endpoint that serves it in
+    process (`LocalBackend.service(model).endpoint`; `serving/model_limits.py`), so one tenant
+    cannot fill an engine the others share."""
+    service = getattr(backend, "service", None)
+    endpoint = getattr(service(model), "endpoint", None) if callable(service) else None
+    if endpoint is not None:
+        endpoint.limits.configure(model)
 
 
 def serve(

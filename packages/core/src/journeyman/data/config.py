@@ -145,6 +145,19 @@ class ModelConfig(OwnErrorsModel):
         "gemma3); "
         "None detects it from the chat template",
     )
+    max_rows_in_flight: int | None = Field(
+        default=None,
+        ge=1,
+        description="the most rows (requests' n) sampled or queued for this model at once, so it cannot fill "
+        "an engine it shares; over it a request is a 429 with Retry-After (serving/model_limits.py); "
+        "None: unbounded",
+    )
+    max_requests_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        description="the most requests this model admits in any 60 s; over it a 429 with Retry-After "
+        "(serving/model_limits.py); None: unbounded",
+    )
 
     @field_validator("name", "project")
     @classmethod

@@ -7,7 +7,7 @@ checkpoints and manage tokens. `$JOURNEYMAN_TOKEN` is an admin token named `env`
 A token may name the models it serves (`journeyman token add NAME --models a,b`): tenants stay
 apart. Such a token touches those models alone, by name (`a`, `a@<step>`): it samples them, reads
 their steps, history, captures and viewer pages, and (scope allowing) registers, trains and logs
-them; any other model, a base model's own name included, is a 403 naming the model and the token,
+them, and with scope train deletes their checkpoints (`guard.needed_scope`); any other model, a base model's own name included, is a 403 naming the model and the token,
 and `/v1/models` (and `info`) list its models alone. A token without a list reaches every model, as
 before the field existed (files without it load unchanged). An admin token is never scoped to
 models: it manages tokens, which are every tenant's, so `add` refuses `admin` with `models`.

@@ -32,6 +32,7 @@ from journeyman.engine.grammar import SCHEMA_FIELD
 from journeyman.errors import EngineTimeoutError, InvalidFieldError, UnknownModelError
 from journeyman.rollout.capture import CapturedCall, Captures, capture_key
 from journeyman.serving.messages_api import add_routes as add_messages_routes
+from journeyman.serving.model_limits import ModelLimits
 from journeyman.serving.openai_http import (
     MAX_SCHEMA_BYTES,
     NamedToolChoice,
@@ -295,6 +296,7 @@ class Endpoint:
         max_context: int | None = None,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         base_name: str | None = None,
+        limits: ModelLimits | None = None,
     ) -> None:
         self.engine = engine
         self.chat_format = chat_format
@@ -306,6 +308,9 @@ class Endpoint:
         self.max_context = max_context  # prompt + completion tokens the model takes
         # the longest a request may wait for its samples (queued behind a training step included)
         self.request_timeout_s = request_timeout_s
+        # the model's caps on rows in flight and requests a minute (`ModelConfig`), checked as a
+        # request enters, before it is prepared or queued; unbounded unless set
+        self.limits = limits or ModelLimits(model_name)
         self.sampled = SampledTurns()
         self.captures = Captures()
         # Steps served beside the engine's own (live training's candidate), by checkpoint directory:
@@ -317,6 +322,9 @@ class Endpoint:
         self.cancelled = 0  # requests whose client left before their answer
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journeyman-prepare")
         self._stream_tokenizer: Any = None  # made on the first streamed request
+
+    def admit(self, model: object) -> None:
+        """Every request to a model's own endpoint is its business (the name is checked with the body)."""
 
     def served_names(self) -> list[str]:
         names = [self.model_name, f"{self.model_name}@{self.engine.step}"]
@@ -332,6 +340,8 @@ class Endpoint:
             "endpoint_captures_dropped": self.captures.dropped,
             "endpoint_turn_cache_tokens": self.sampled.tokens,
             "endpoint_turn_cache_evicted": self.sampled.evicted,
+            "endpoint_rows_in_flight": self.limits.rows_in_flight,
+            "endpoint_limit_refused": self.limits.refused,
         }
 
     async def chat_completion(
@@ -344,7 +354,12 @@ class Endpoint:
         """Serve one chat completion; `response_id` names the Responses API call it answers, if any;
         `on_text(choice, delta)` is told of the content as it is sampled (`streaming`)."""
         capture_id = capture_key(capture_id)  # the caller's token's own (`rollout/capture.py`)
-        with self.captures.answering(capture_id):  # live training waits for it before an episode trains
+        n = body.get("n")
+        rows = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1  # else refused as read
+        with (
+            self.limits.admitted(rows),  # its rows go back however it ends (a 429 over a cap)
+            self.captures.answering(capture_id),  # live training waits for it before an episode trains
+        ):
             try:
                 return await self._chat_completion(body, capture_id, response_id, on_text)
             except asyncio.CancelledError:  # the client left (`until_disconnect`): the engine stopped it
@@ -572,6 +587,7 @@ def build_app(endpoint: Served) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         async def handle(body: dict[str, Any], capture_id: str | None) -> Any:
+            endpoint.admit(body.get("model"))
             try:
                 flags = _Streaming.model_validate(body)
             except ValidationError as e:

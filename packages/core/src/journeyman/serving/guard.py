@@ -48,6 +48,7 @@ BODY_TIMEOUT_S = 30.0
 ROUTE_SCOPES: dict[str, Scope] = {op.route: op.scope for op in OPERATIONS}
 ROUTE_SCOPES.update(info="sample", tokens="admin")
 _TOP_LEVEL = {"info", "tokens"} | {op.route for op in OPERATIONS if not op.per_model}  # not under models/
+_PER_MODEL_ADMIN = {op.route for op in OPERATIONS if op.per_model and op.scope == "admin"}
 
 
 VIEW_PREFIX = "/view"
@@ -58,15 +59,22 @@ VIEW_SESSION_MAX_S = 24 * 3600  # ... and 24 h after it opened, however busy (th
 MAX_VIEW_SESSIONS = 1024  # in memory; past this the least recently used ends (each `?token=` opens one)
 
 
-def needed_scope(path: str) -> Scope:
-    """The scope a request to `path` needs."""
+def needed_scope(path: str, token: ApiToken | None = None) -> Scope:
+    """The scope a request to `path` needs (from `token`, when given).
+
+    A token scoped to models (a tenant's) is their admin as far as their runs go: a model's route
+    that needs `admin` (`delete_checkpoints`) needs `train` of it, and the app's tenant rule then
+    refuses any model not in its list by name (a 403 naming the model, never the scope)."""
     if path == VIEW_PREFIX or path.startswith(VIEW_PREFIX + "/"):
         return "train"  # the viewer shows every model's trajectories: more than sampling needs
     if not path.startswith(PREFIX + "/"):
         return "sample"  # the OpenAI routes, /docs, /openapi.json
     parts = path[len(PREFIX) + 1 :].split("/")
     op = parts[0] if parts[0] in _TOP_LEVEL else parts[-1]
-    return ROUTE_SCOPES.get(op, "admin")
+    needed = ROUTE_SCOPES.get(op, "admin")
+    if needed == "admin" and token is not None and token.models is not None and op in _PER_MODEL_ADMIN:
+        return "train"
+    return needed
 
 
 @dataclass
@@ -189,7 +197,7 @@ class Guard:
                 )(scope, receive, send)
         if token is None:
             return await error(401, "unauthorized", kind="unauthorized")(scope, receive, send)
-        needed = needed_scope(scope["path"])
+        needed = needed_scope(scope["path"], token)
         if not allows(token.scope, needed):
             return await error(
                 403,

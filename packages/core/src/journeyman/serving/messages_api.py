@@ -45,6 +45,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     408: "timeout_error",
     413: "request_too_large",
+    429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
 }

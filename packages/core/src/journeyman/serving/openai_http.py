@@ -35,6 +35,7 @@ from pydantic import (
 from journeyman.chat.messages import json_depth
 from journeyman.errors import EngineDownError, EngineTimeoutError, InvalidFieldError, UnknownModelError
 from journeyman.rollout.capture import CAPTURE_HEADER
+from journeyman.serving.model_limits import ModelLimitError
 
 MAX_BODY_DEPTH = 100  # JSON nesting of a whole body: a tool schema nested MAX_SCHEMA_DEPTH fits in it
 # What a JSON schema that may be compiled into a grammar may be. xgrammar's compile time grows with
@@ -365,3 +366,7 @@ async def handle_json(
         return error(503, str(e), None, "engine_down")
     except EngineTimeoutError as e:
         return error(504, str(e), None, "engine_timeout")
+    except ModelLimitError as e:  # a 429 the client may retry after the time it names
+        refused = error(429, str(e), e.field, "rate_limit_exceeded")
+        refused.headers["retry-after"] = str(e.retry_after_s)
+        return refused

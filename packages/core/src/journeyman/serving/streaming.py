@@ -113,7 +113,11 @@ class TextDeltas:
 
 
 class Streams(Protocol):
-    """What the route needs: a chat completion that tells of its text as it grows (`on_text`)."""
+    """What the route needs: a chat completion that tells of its text as it grows (`on_text`), and
+    `admit`, which may refuse a request by the model its body names before anything else of the
+    body is read (`journeyman serve`: another tenant's model is a 403, whatever else the body holds)."""
+
+    def admit(self, model: object) -> None: ...
 
     async def chat_completion(
         self,
@@ -224,6 +228,7 @@ def add_translated_route(
     capture filing) for every API, streamed or not. Errors are shaped by `error`."""
 
     async def handle(body: dict[str, Any], capture_id: str | None) -> Any:
+        served.admit(body.get("model"))
         # off the event loop: a large request (tools, messages) takes a while to check and translate
         call = await asyncio.to_thread(translate, body)
 
