@@ -77,6 +77,8 @@ FILE_SECONDS = {
     "packages/core/tests/training/test_packing.py": 13,
     "packages/core/tests/backends/test_schema_fuzz.py": 37,
     "packages/core/tests/backends/test_many_models.py": 40,  # alone, idle: 2026-11-28
+    "packages/core/tests/backends/test_tenants.py": 73,  # alone, -n 0, wall: 2026-11-29
+    "packages/core/tests/serving/test_model_limits.py": 19,  # alone, -n 0 (32 s wall with collection): 2026-11-29
 }
 
 
