@@ -635,7 +635,7 @@ def test_block_runs(block: Block, run_doc: Callable[[str], dict[str, Any]]) -> N
 # parsed by the command's own parser first (`journeyman` and `mcp-rl` in process, by click, without
 # running; a Python script or module by its `--help`, which must name every flag the line passes),
 # so a renamed flag fails here even where the command cannot run.
-FENCE_LANGUAGES = {"python", "py", "bash", "text", "json", "ts", "diff"}
+FENCE_LANGUAGES = {"python", "py", "bash", "text", "json", "ts", "diff", "yaml"}
 SHELL_LANGUAGES = {"bash"}
 
 
@@ -843,6 +843,21 @@ def test_fences_name_their_language() -> None:
         if lang not in FENCE_LANGUAGES
     ]
     assert not problems, "fences with no or an unknown language:\n  " + "\n  ".join(problems)
+
+
+def test_yaml_blocks_parse() -> None:
+    """A YAML block (a Prometheus scrape job, alert rules) is YAML a reader can paste."""
+    import yaml
+
+    blocks = [
+        (doc, line, body)
+        for doc in DOCS
+        for line, lang, body in split_markdown(doc.read_text())[0]
+        if lang == "yaml"
+    ]
+    assert blocks
+    for doc, line, body in blocks:
+        assert isinstance(yaml.safe_load(body), dict), f"{doc.relative_to(ROOT)}:{line}"
 
 
 def test_every_command_is_run_or_listed() -> None:

@@ -279,3 +279,32 @@ def test_adding_an_admin_token_with_models_is_refused_naming_the_field(
     assert out.exit_code == 0, out.output
     out = CliRunner().invoke(cli, ["token", "list", "--path", str(tmp_path)])
     assert out.exit_code == 0 and "ops\ttrain" in out.output and f"{MINE},{THEIRS}" in out.output, out.output
+
+
+async def test_metrics_show_each_token_its_models_alone(tenancy: Tenancy, mine: jm.TrainableModel) -> None:
+    """`/metrics` in Prometheus' text format, behind the token like every route: request latency by
+    route template (no model names in it), and per-model series; a tenant's token sees its models'."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with tenancy.http(tenancy.tenant) as c:
+        assert (
+            c.post(
+                "/v1/chat/completions", json={"model": MINE, "messages": PROMPT, "max_tokens": 2}
+            ).status_code
+            == 200
+        )
+        mine_only = c.get("/metrics")
+    with tenancy.http(tenancy.server.token) as admin:
+        every = admin.get("/metrics")
+    with httpx.Client(base_url=tenancy.server.url, timeout=60) as anonymous:
+        assert anonymous.get("/metrics").status_code == 401
+    assert every.status_code == 200 and every.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(every.text)}
+    served = {s.labels["model"]: s.value for s in families["journeyman_requests_served"].samples}
+    assert served[MINE] >= 1 and THEIRS in served
+    assert {s.labels["model"] for s in families["journeyman_step"].samples} == {MINE, THEIRS}
+    routes = {s.labels["route"] for s in families["journeyman_request_seconds"].samples}
+    assert "/v1/chat/completions" in routes and not any(MINE in r or THEIRS in r for r in routes), routes
+    assert families["journeyman_engine_decode_mixed_steps"].samples  # the two models share one engine
+    assert mine_only.status_code == 200 and f'model="{MINE}"' in mine_only.text
+    assert f'model="{THEIRS}"' not in mine_only.text

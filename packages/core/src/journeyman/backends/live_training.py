@@ -180,7 +180,7 @@ class LiveRun:
         self.parents: dict[int, int] = {int(k): v for k, v in state.get("parents", {}).items()}
         self.rejected: set[int] = set(state.get("rejected", []))
         self.decisions = [Decision.model_validate(d) for d in state.get("decisions", [])]
-        self.counts = dict.fromkeys(
+        self.counts: dict[str, int] = dict.fromkeys(
             (
                 "outcomes",
                 "duplicates",
@@ -190,6 +190,9 @@ class LiveRun:
                 "trained",
                 "steps",
                 "set_aside",
+                "decided_promote",
+                "decided_reject",
+                "decided_rollback",
             ),
             0,
         )
@@ -593,6 +596,7 @@ class LiveRun:
             action=action, step=step, served=self.promoted, reason=reason, by=by, at=time.time()
         )
         self.decisions.append(decision)
+        self.counts[f"decided_{action}"] += 1
         self._save()
         self._serve_candidate()
         self.s.record(_decision_row(decision, self.parents.get(step), extra or {}))

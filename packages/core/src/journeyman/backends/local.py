@@ -163,6 +163,7 @@ class LocalBackend:
                         "register another name for another model",
                     )
             served.model = model  # what may change: max_tokens and the like
+            served.endpoint.limits.configure(model)  # its caps on rows in flight and requests
 
     def service(self, model: ModelConfig | str) -> ServedModel:
         """The in-process parts serving `model` (engine, policy, chat format): for tests and benches."""

@@ -43,6 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 
+from journeyman.backends.metrics import CONTENT_TYPE, ModelSource, ServerMetrics, TimedRequests
 from journeyman.client.operations import OPERATIONS, REGISTER, Operation
 from journeyman.client.protocol import Progress, ServedBackend
 from journeyman.client.wire import PREFIX, PROTOCOL_VERSION, Registered, ServerInfo, TrainEvent, body_error
@@ -248,7 +249,12 @@ def create_app(
 
     book = token_book(tokens)
     app = build_app(_TenantServed(backend))  # the OpenAI routes: each request goes to the model it names
-    app.add_middleware(_PerToken, book=book, root=backend.path)
+    app.add_middleware(_PerToken, book=book)
+    # a tenant's token sees its models' series alone (`_visible` reads the caller's token)
+    metrics = ServerMetrics(
+        ModelSource(lambda: _visible(backend.registered()), getattr(backend, "service", None))
+    )
+    app.add_middleware(TimedRequests, metrics=metrics)
     jobs: dict[JobName, TrainJob] = {}
     app.state.train_jobs = jobs  # what a drain waits for (`serve`)
 
@@ -288,6 +294,11 @@ def create_app(
         return ServerInfo(
             journeyman=version("journeyman"), protocol=PROTOCOL_VERSION, models=_visible(backend.registered())
         )
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        """Prometheus' text format (`backends/metrics.py`, docs/metrics.md)."""
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     @app.get(f"{PREFIX}/tokens")
     async def list_tokens() -> list[dict[str, Any]]:
@@ -410,7 +421,6 @@ def _add_route(
 async def _register(backend: ServedBackend, model: ModelConfig) -> Registered:
     _check_registry(backend, model)  # before loading anything: a name lives in one project
     await backend.register(model)
-    _limit(backend, model)
     log.info("registered %s/%s (base %s)", model.project, model.name, model.base_model)
     _remember(backend, model)
     return Registered(run_dir=str(backend.run_dir(model)))
@@ -546,8 +556,8 @@ class _PerToken:
     scoped to models sees theirs alone (`_CALLER`, `_check_tenant`), in the viewer too: a run's pages
     and data are its model's, and the list of runs is cut to the caller's."""
 
-    def __init__(self, app: Any, book: TokenBook, root: Path) -> None:
-        self.app, self.book, self.root = app, book, root
+    def __init__(self, app: Any, book: TokenBook) -> None:
+        self.app, self.book = app, book
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         name = scope.get("state", {}).get("token")
@@ -567,14 +577,16 @@ class _PerToken:
         if parts[:3] != [VIEW_PREFIX.strip("/"), "api", "runs"]:
             return await self.app(scope, receive, send)
         if len(parts) > 3:
-            from journeyman.app.view.runs import RunFiles  # the viewer's own ids, lazily: only it needs them
-
+            # the viewer's own ids, resolved by the viewer (`app/view/mount.py`, which set it)
+            run_model = getattr(scope["app"].state, "view_run_model", None)
+            if run_model is None:  # no viewer on this server: its 404
+                return await self.app(scope, receive, send)
             try:
-                run = await asyncio.to_thread(RunFiles([self.root]).get, parts[3])
+                model = await asyncio.to_thread(run_model, parts[3])
             except InvalidFieldError:  # no such run: the viewer's own 404
                 return await self.app(scope, receive, send)
             try:
-                _check_tenant(run.name)  # a run directory is named after its model
+                _check_tenant(model)  # a run directory is named after its model
             except ModelForbiddenError as e:
                 response = error_dialect(scope["path"])(
                     403, str(e), "model", kind="forbidden", model=e.model, token=e.token
@@ -651,18 +663,7 @@ async def restore(backend: ServedBackend) -> list[str]:
     for raw in known.values():
         model = ModelConfig.model_validate(raw)
         await backend.register(model)
-        _limit(backend, model)
     return list(known)
-
-
-def _limit(backend: ServedBackend, model: ModelConfig) -> None:
-    """`model`'s caps on rows in flight and requests a minute, on the endpoint that serves it in
-    process (`LocalBackend.service(model).endpoint`; `serving/model_limits.py`), so one tenant
-    cannot fill an engine the others share."""
-    service = getattr(backend, "service", None)
-    endpoint = getattr(service(model), "endpoint", None) if callable(service) else None
-    if endpoint is not None:
-        endpoint.limits.configure(model)
 
 
 def serve(

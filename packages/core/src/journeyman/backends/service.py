@@ -77,6 +77,7 @@ class ServedModel:
     sft: SFTTrainer | None = None  # made on the first `train_sft`
     engine_counts: dict[str, int] = field(default_factory=dict)  # `Engine.counters()` at the last step
     live: Live | None = None  # live training, once `LocalBackend.live` started it (a `LiveRun`)
+    last_train_row: dict[str, Any] | None = None  # the newest training step's history row (`/metrics`)
 
     @property
     def vocab_size(self) -> int:
@@ -161,6 +162,8 @@ class ServedModel:
         """One history row, to history.jsonl and then to the trackers (the same row, to the key:
         strict JSON, a NaN metric as None)."""
         written = self.store.append_history({"recorded_at": time.time(), **row})
+        if written.get("split") == "train":
+            self.last_train_row = written
         self.trackers.log(written, groups)
 
     def close(self) -> None:
@@ -317,6 +320,7 @@ def assemble(
     from journeyman.policy.lora import LoraPolicy
     from journeyman.serving.endpoint import Endpoint, ServerThread, build_app
     from journeyman.serving.guard import DEFAULT_MAX_BODY_BYTES, Guard
+    from journeyman.serving.model_limits import ModelLimits
     from journeyman.training.trainer import GRPOTrainer
 
     try:
@@ -337,6 +341,7 @@ def assemble(
         default_max_tokens=model.max_tokens,
         max_context=context,
         base_name=model.base_model,
+        limits=ModelLimits.of(model),  # so one model cannot fill an engine the others share
     )
     trainer = GRPOTrainer(policy, chat_format)
     if step > 0:  # resume: the last checkpoint's adapter and optimizer state

@@ -117,6 +117,11 @@ class Scheduler:
     def alive(self) -> bool:
         return self._down is None
 
+    @property
+    def queued(self) -> int:
+        """Requests and calls waiting for the worker (a level, read from any thread)."""
+        return self._queue.qsize() + len(self._calls) + sum(len(q) for q in list(self._asides.values()))
+
     def submit(
         self,
         prompt_ids: list[int],

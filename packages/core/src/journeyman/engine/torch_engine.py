@@ -244,4 +244,6 @@ class TorchEngine(Engine):
             **self.runner.counters(),
             "requests_served": self.scheduler.served,
             "requests_cancelled": self.scheduler.cancelled,
+            "requests_queued": self.scheduler.queued,
+            "rows_running": self.runner.row_count,
         }

@@ -20,6 +20,8 @@ __all__ = ["add_viewer"]
 def add_viewer(app: FastAPI, root: Path) -> None:
     """Serve the viewer over the runs under `root` (the server's `--path`) at `/view/`."""
     runs = RunFiles([root])
+    # the model a run id's run is of, for the server's tenant rule (`backends/server.py: _PerToken`)
+    app.state.view_run_model = lambda run_id: runs.get(run_id).name
 
     @app.get(VIEW_PREFIX, include_in_schema=False)
     async def view_root() -> RedirectResponse:
