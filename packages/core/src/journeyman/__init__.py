@@ -16,6 +16,7 @@ from journeyman.client.pipeline_trainer import PipelineConfig, PipelineResult, P
 from journeyman.client.protocol import Backend, Inference, LiveBackend, current_backend
 from journeyman.client.remote import RemoteBackend
 from journeyman.client.train_loop import TrainLoop
+from journeyman.data.budget import Budget, BudgetExceededError
 from journeyman.data.config import (
     DEFAULT_BASE_MODEL,
     LoraConfig,
@@ -108,6 +109,8 @@ __all__ = [
     "Backend",
     "BackendUnavailableError",
     "BaseModelNotFoundError",
+    "Budget",
+    "BudgetExceededError",
     "Capture",
     "CapturedCall",
     "ChatTemplateError",

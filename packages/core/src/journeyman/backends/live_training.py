@@ -49,6 +49,7 @@ from journeyman.backends.store import write_atomic
 from journeyman.backends.train_step import GRPOUpdate, check_groups, run_step
 from journeyman.client.protocol import Evaluate
 from journeyman.client.wire import body_error
+from journeyman.data.budget import BudgetExceededError
 from journeyman.data.config import TrainConfig, TrainResult
 from journeyman.data.journal import GroupJournal
 from journeyman.data.live_types import (
@@ -423,6 +424,12 @@ class LiveRun:
         try:
             groups = _advantage_groups([g for _, g in batch])
             result = await self.s.train_from(groups, self.config.train, key, parent)
+        except BudgetExceededError as e:  # the run stops here; its episodes wait in the journal
+            self.error = f"stopped: {e}"
+            self.s.record({"step": parent, "split": "live", "stopped": str(e)})
+            log.warning("live %s: %s", self.s.name, self.error)
+            self.stop()
+            return
         except Exception as e:
             if not self._failed(ids, parent, e):
                 raise  # the loop shows it (`status().error`) and tries the batch again later

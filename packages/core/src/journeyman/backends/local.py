@@ -164,6 +164,8 @@ class LocalBackend:
                     )
             served.model = model  # what may change: max_tokens and the like
             served.endpoint.limits.configure(model)  # its caps on rows in flight and requests
+            if served.meter is not None:
+                served.meter.configure(model.budget)  # what was spent stays counted
 
     def service(self, model: ModelConfig | str) -> ServedModel:
         """The in-process parts serving `model` (engine, policy, chat format): for tests and benches."""

@@ -3,8 +3,8 @@
 Two kinds of numbers. Request latency and answers by status are observed as requests pass (a
 histogram and a counter by route template and status class). Everything else is read from the
 backend when Prometheus scrapes (`ModelCollector`): per model, the step served, requests and
-tokens, rows in flight and queued, the engine's counts, the last training step's metrics, and under
-live training its outcomes, decisions by kind, rejections in a row, waiting and open episodes.
+tokens, rows in flight and queued, the engine's counts, the last training step's metrics, what the run
+spent against its budget, and under live training its outcomes, decisions by kind, rejections in a row, waiting and open episodes.
 Nothing is kept twice: a scrape reads the same counts the step metrics and `journeyman live status`
 report. docs/metrics.md lists every series with an example alert.
 """
@@ -131,6 +131,14 @@ class ModelCollector(Collector):
         engine: dict[str, _Family] = {}
         train: dict[str, GaugeMetricFamily] = {}
         live: dict[str, _Family] = {}
+        spent = GaugeMetricFamily(
+            "journeyman_spent",
+            "What the run spent, by budget field (data/budget.py)",
+            labels=["model", "budget"],
+        )
+        limit = GaugeMetricFamily(
+            "journeyman_budget_limit", "The run's budget limits that are set", labels=["model", "budget"]
+        )
         trained_at = GaugeMetricFamily(
             "journeyman_last_step_timestamp_seconds", "When the last training step was recorded", labels=label
         )
@@ -165,8 +173,13 @@ class ModelCollector(Collector):
                         )
                         train[key] = metric
                         metric.add_metric([name], float(value))
+            if s.meter is not None:
+                for key, value in s.meter.spent().items():
+                    spent.add_metric([name, key], value)
+                for key, (_, cap) in s.meter.levels().items():
+                    limit.add_metric([name, key], cap)
             _live(s, live)
-        yield from (step, latest, served, trained_at)
+        yield from (step, latest, served, trained_at, spent, limit)
         yield from endpoint.values()
         yield from engine.values()
         yield from train.values()

@@ -47,6 +47,7 @@ from journeyman.backends.metrics import CONTENT_TYPE, ModelSource, ServerMetrics
 from journeyman.client.operations import OPERATIONS, REGISTER, Operation
 from journeyman.client.protocol import Progress, ServedBackend
 from journeyman.client.wire import PREFIX, PROTOCOL_VERSION, Registered, ServerInfo, TrainEvent, body_error
+from journeyman.data.budget import BudgetExceededError
 from journeyman.data.config import ModelConfig, TrainResult
 from journeyman.data.paths import RunRoot
 from journeyman.errors import (
@@ -285,6 +286,13 @@ def create_app(
         log.info("refused: %s", e)
         return json_error(400, str(e), e.field, value=repr(e.value)[:200], reason=e.reason)
 
+    @app.exception_handler(BudgetExceededError)
+    async def over_budget(_: Request, e: BudgetExceededError) -> JSONResponse:
+        log.info("refused: %s", e)  # no retry helps: a person raises the budget
+        return json_error(
+            402, str(e), f"budget.{e.budget}", "budget_exceeded", model=e.model, limit=e.limit, spent=e.spent
+        )
+
     @app.exception_handler(JourneymanError)
     async def failed(_: Request, e: JourneymanError) -> JSONResponse:
         return json_error(500, f"{type(e).__name__}: {e}", kind="server_error")
@@ -359,6 +367,8 @@ def create_app(
                     error: dict[str, Any] = {"type": type(e).__name__, "message": str(e), "param": None}
                     if isinstance(e, InvalidFieldError):
                         error.update(param=e.field, value=repr(e.value)[:200], reason=e.reason)
+                    if isinstance(e, BudgetExceededError):
+                        error.update(budget=e.budget, model=e.model, limit=e.limit, spent=e.spent)
                     job.add(TrainEvent(kind="error", error=error))
 
             # Not tied to the request: a client that disconnects does not stop the step.

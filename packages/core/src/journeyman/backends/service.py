@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from journeyman.backends.store import RunStore
 from journeyman.backends.tracking import Trackers, check_report_to, open_trackers
+from journeyman.data.budget import Meter
 from journeyman.data.config import ModelConfig, TrainerConfig
 from journeyman.data.live_types import LiveConfig
 from journeyman.data.types import TrajectoryGroup
@@ -78,6 +79,7 @@ class ServedModel:
     engine_counts: dict[str, int] = field(default_factory=dict)  # `Engine.counters()` at the last step
     live: Live | None = None  # live training, once `LocalBackend.live` started it (a `LiveRun`)
     last_train_row: dict[str, Any] | None = None  # the newest training step's history row (`/metrics`)
+    meter: Meter | None = None  # what the run spent against its budget (`data/budget.py`)
 
     @property
     def vocab_size(self) -> int:
@@ -167,6 +169,8 @@ class ServedModel:
         self.trackers.log(written, groups)
 
     def close(self) -> None:
+        if self.meter is not None:
+            self.meter.flush()
         if self.live is not None:
             self.live.stop()
         self.server.stop()
@@ -329,6 +333,7 @@ def assemble(
         raise InvalidFieldError("model.lora.target_modules", model.lora.target_modules, str(e)[:300]) from e
     chat_format = ChatFormat(policy.tokenizer, family=model.chat_format)
     store = RunStore(run_dir)
+    meter = Meter(model.name, store.root / "spend.json", model.budget)
     step = store.resume_step()  # the committed step, or the newest good one if it is corrupt
     engine = _make_engine(settings, bases, base, policy, chat_format, step, store.checkpoint_dir(step))
     context = getattr(policy.model.config, "max_position_embeddings", None)
@@ -342,6 +347,7 @@ def assemble(
         max_context=context,
         base_name=model.base_model,
         limits=ModelLimits.of(model),  # so one model cannot fill an engine the others share
+        meter=meter,
     )
     trainer = GRPOTrainer(policy, chat_format)
     if step > 0:  # resume: the last checkpoint's adapter and optimizer state
@@ -370,6 +376,7 @@ def assemble(
         ranks,
         trackers=open_trackers(settings.report_to, model, store.root),
         returns_memory=settings.engine_kind == "vllm",
+        meter=meter,
     )
 
 

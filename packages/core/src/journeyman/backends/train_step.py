@@ -229,6 +229,8 @@ async def run_step(
             return begun
         attempt = begun
         try:
+            if s.meter is not None:
+                s.meter.check("training")  # BudgetExceededError: the attempt is dropped, nothing trains
             s.trackers.config({update.split: update.config.model_dump(mode="json")})
             rollout_metrics = s.engine_metrics()  # the rollouts this step trains on
             # The GPU handoff (engine/handoff.py): the engine sleeps, the trainer steps and gives
@@ -245,6 +247,9 @@ async def run_step(
 
                         await s.engine.call(return_cached_memory)
                 metrics = {**await update.settle(s, metrics), **rollout_metrics}
+                if s.meter is not None:  # spent: the tokens it trained on, and what came before
+                    s.meter.add(trained_tokens=int(metrics.get("trained_tokens", 0)))
+                    metrics.update({f"spend_{k}": v for k, v in s.meter.spent().items()})
                 if updated:
                     return await checkpoint(
                         s, attempt, metrics, update.groups, idempotency_key, trained_by, parent

@@ -46,6 +46,7 @@ from journeyman.client.operations import (
 )
 from journeyman.client.protocol import Inference, Progress, named_or_latest
 from journeyman.client.wire import PREFIX, PROTOCOL_VERSION, Registered, ServerInfo, TrainEvent, gzip_json
+from journeyman.data.budget import BudgetExceededError
 from journeyman.data.config import ModelConfig, TrainResult
 from journeyman.errors import (
     AuthenticationError,
@@ -94,6 +95,14 @@ def _field_error(err: dict[str, Any]) -> InvalidFieldError:
     return cls(
         str(err["param"]), _Shown(str(err.get("value", "..."))), str(err.get("reason") or err.get("message"))
     )
+
+
+def _raise_budget(err: dict[str, Any]) -> None:
+    """A server's refusal over a budget (a 402, or a train stream's error) as `BudgetExceededError`."""
+    if "budget" in err and "limit" in err and "spent" in err:
+        raise BudgetExceededError(
+            str(err.get("model", "?")), str(err["budget"]), float(err["limit"]), float(err["spent"])
+        )
 
 
 class RemoteBackend:
@@ -176,6 +185,8 @@ class RemoteBackend:
             )
         if r.status_code == 404 and err.get("type") == "model_not_found":
             raise UnknownModelError(str(err.get("model", "?")), list(err.get("served") or []))
+        if r.status_code == 402:
+            _raise_budget({**err, "budget": str(err.get("param", "budget.?")).removeprefix("budget.")})
         if r.status_code == 409 and err.get("type") == "idempotency_key_reused":
             raise IdempotencyKeyReusedError(
                 "idempotency_key", _Shown(str(err.get("value", "..."))), str(err.get("reason", message))
@@ -293,6 +304,7 @@ class RemoteBackend:
                         return event.result
                     else:
                         err = event.error or {}
+                        _raise_budget(err)
                         if err.get("param") is not None:
                             raise _field_error(err)
                         raise RemoteError(str(err.get("type", "error")), str(err.get("message", "")))

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from journeyman.chat.families import family_named
+from journeyman.data.budget import Budget
 from journeyman.errors import BaseModelNotFoundError, InvalidFieldError, OwnErrorsModel
 
 DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
@@ -157,6 +158,11 @@ class ModelConfig(OwnErrorsModel):
         ge=1,
         description="the most requests this model admits in any 60 s; over it a 429 with Retry-After "
         "(serving/model_limits.py); None: unbounded",
+    )
+    budget: Budget | None = Field(
+        default=None,
+        description="hard caps on what the run spends (sampled and trained tokens, wall time), kept "
+        "across restarts in the run's spend.json (data/budget.py); None: no caps, spend still counted",
     )
 
     @field_validator("name", "project")

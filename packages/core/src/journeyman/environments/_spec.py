@@ -45,7 +45,7 @@ def load(spec: str | Environment) -> Environment:
         from journeyman.environments._verifiers import load_verifiers
 
         target, args = _split_args(rest)
-        return load_verifiers(target, parse_args(args, spec), spec=spec)
+        return load_verifiers(import_target(target, spec), target, parse_args(args, spec), spec=spec)
     if scheme == "openenv":
         from journeyman.environments._openenv import OpenEnvEnvironment
 

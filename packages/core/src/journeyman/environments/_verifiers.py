@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from journeyman.data.types import Trajectory
 from journeyman.environments._protocol import Environment, Sampling, Split, Task, check_split, finite_reward
-from journeyman.environments._spec import import_target
 from journeyman.errors import InvalidFieldError
 from journeyman.rollout.episode import Episode
 
@@ -29,8 +28,8 @@ if TYPE_CHECKING:
     from journeyman.client.model import TrainableModel
 
 
-def load_verifiers(target: str, args: dict[str, Any], *, spec: str) -> Environment:
-    module = import_target(target, spec)
+def load_verifiers(module: Any, target: str, args: dict[str, Any], *, spec: str) -> Environment:
+    """The environment `module`'s `load_environment(**args)` makes (`module`: `target` imported)."""
     load_environment = getattr(module, "load_environment", None)
     if not callable(load_environment):
         raise InvalidFieldError(

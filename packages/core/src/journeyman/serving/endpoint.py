@@ -25,6 +25,7 @@ from journeyman.chat.families import ChatFamily, Shape
 from journeyman.chat.formats import ChatFormat, SampledTurns
 from journeyman.chat.messages import normalize_messages
 from journeyman.client.protocol import REQUEST_TIMEOUT_S
+from journeyman.data.budget import Meter
 from journeyman.data.types import TokenRecord
 from journeyman.engine import Engine, Sample, SamplingParams
 from journeyman.engine.base import MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS, SEED_MAX, SEED_MIN
@@ -297,6 +298,7 @@ class Endpoint:
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         base_name: str | None = None,
         limits: ModelLimits | None = None,
+        meter: Meter | None = None,
     ) -> None:
         self.engine = engine
         self.chat_format = chat_format
@@ -311,6 +313,9 @@ class Endpoint:
         # the model's caps on rows in flight and requests a minute (`ModelConfig`), checked as a
         # request enters, before it is prepared or queued; unbounded unless set
         self.limits = limits or ModelLimits(model_name)
+        # what the run spent against its budget: a request is refused (402) once a limit on sampling
+        # is reached, and each answer's completion tokens count (`data/budget.py`)
+        self.meter = meter
         self.sampled = SampledTurns()
         self.captures = Captures()
         # Steps served beside the engine's own (live training's candidate), by checkpoint directory:
@@ -354,6 +359,8 @@ class Endpoint:
         """Serve one chat completion; `response_id` names the Responses API call it answers, if any;
         `on_text(choice, delta)` is told of the content as it is sampled (`streaming`)."""
         capture_id = capture_key(capture_id)  # the caller's token's own (`rollout/capture.py`)
+        if self.meter is not None:
+            self.meter.check("sampling")  # BudgetExceededError: nothing is sampled past a limit
         n = body.get("n")
         rows = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1  # else refused as read
         with (
@@ -482,6 +489,8 @@ class Endpoint:
     ) -> dict[str, Any]:
         req, params, prompt_ids = prepared.req, prepared.params, prepared.prompt_ids
         self.completions += 1
+        if self.meter is not None:
+            self.meter.add(sampled_tokens=sum(len(s.token_ids) for s in samples))
         # step 0 is the base model (`serve_step(0)`); else the step the engine stamped on what it
         # sampled (a step may have landed since), or the one it serves
         stamped = next((s.step for s in samples if s.step is not None), self.engine.step)

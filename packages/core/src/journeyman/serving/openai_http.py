@@ -33,6 +33,7 @@ from pydantic import (
 )
 
 from journeyman.chat.messages import json_depth
+from journeyman.data.budget import BudgetExceededError
 from journeyman.errors import EngineDownError, EngineTimeoutError, InvalidFieldError, UnknownModelError
 from journeyman.rollout.capture import CAPTURE_HEADER
 from journeyman.serving.model_limits import ModelLimitError
@@ -366,6 +367,8 @@ async def handle_json(
         return error(503, str(e), None, "engine_down")
     except EngineTimeoutError as e:
         return error(504, str(e), None, "engine_timeout")
+    except BudgetExceededError as e:  # no retry helps: a person raises the budget
+        return error(402, str(e), f"budget.{e.budget}", "budget_exceeded")
     except ModelLimitError as e:  # a 429 the client may retry after the time it names
         refused = error(429, str(e), e.field, "rate_limit_exceeded")
         refused.headers["retry-after"] = str(e.retry_after_s)
