@@ -7,12 +7,14 @@ share its batches, each row through its own model's adapter). Same prompts, diff
 - `topical`: how often the answer names its topic (up to 3 times), whatever its length.
 
 Their training loops run concurrently (`asyncio.gather`), each step's rollouts and update on its own.
-Printed per model: held-out greedy reward on its own task before and after with its standard error,
-the gain in standard errors and the completion length; then the isolation check: `brief`'s greedy
+Printed per model: held-out reward on its own task before and after with its standard error
+(greedy by default; `--eval-samples 4 --eval-temperature 1` scores the sampling policy GRPO trains,
+4 seeded answers a prompt, the standard error over prompts), the gain in standard errors and the
+completion length; then the isolation check: `brief`'s greedy
 answers (token ids and logprobs) on held-out prompts, before and after one more step of `topical`
 alone, must be identical, and the other way round.
 
-    uv run python bench/two_tasks.py                    # 10 steps each, ~15 min on 2 cores
+    uv run python bench/two_tasks.py                    # 10 steps each, ~20 min on 2 cores
     uv run python bench/two_tasks.py --steps 4 --json two.json
 """
 
@@ -88,14 +90,19 @@ async def _answer(
     )
 
 
-async def _evaluate(model: jm.TrainableModel, n: int, max_tokens: int) -> Eval:
+async def _evaluate(
+    model: jm.TrainableModel, n: int, max_tokens: int, samples: int, temperature: float
+) -> Eval:
+    """Held-out reward: each of `n` prompts answered `samples` times (seeded, so before and after
+    see the same draws of randomness); the standard error is over the prompts' means."""
+    val = tasks.scenarios("val", n)
     done = await asyncio.gather(
-        *(_answer(model, s, max_tokens, 0.0, None) for s in tasks.scenarios("val", n))
+        *(_answer(model, s, max_tokens, temperature, k) for s in val for k in range(samples))
     )
-    rewards = [t.reward for t in done]
+    means = [statistics.mean(t.reward for t in done[i : i + samples]) for i in range(0, len(done), samples)]
     return Eval(
-        mean=statistics.mean(rewards),
-        sem=statistics.stdev(rewards) / math.sqrt(len(rewards)),
+        mean=statistics.mean(means),
+        sem=statistics.stdev(means) / math.sqrt(len(means)),
         completion_tokens=statistics.mean(float(t.metrics["completion_tokens"]) for t in done),
     )
 
@@ -136,14 +143,15 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             ]
             for m in models:
                 await m.register(backend)
-            before = await asyncio.gather(*(_evaluate(m, args.eval_prompts, args.max_tokens) for m in models))
+            ev = (args.eval_prompts, args.max_tokens, args.eval_samples, args.eval_temperature)
+            before = await asyncio.gather(*(_evaluate(m, *ev) for m in models))
             seconds = await asyncio.gather(
                 *(
                     _train(m, args.steps, args.prompts, args.group, args.lr, args.max_tokens, seed=i + 1)
                     for i, m in enumerate(models)
                 )
             )
-            after = await asyncio.gather(*(_evaluate(m, args.eval_prompts, args.max_tokens) for m in models))
+            after = await asyncio.gather(*(_evaluate(m, *ev) for m in models))
             results = [
                 ModelResult(name=m.name, before=b, after=a, steps=args.steps, train_seconds=s)
                 for m, b, a, s in zip(models, before, after, seconds, strict=True)
@@ -171,6 +179,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--eval-prompts", type=int, default=32)
+    parser.add_argument("--eval-samples", type=int, default=1, help="answers a held-out prompt")
+    parser.add_argument("--eval-temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--check-prompts", type=int, default=4)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
