@@ -70,13 +70,14 @@ FILE_SECONDS = {
     "packages/core/tests/engine/test_engine_faults.py": 21,
     "packages/mcp/tests/test_generated_checks.py": 21,
     "packages/core/tests/training/test_sharding.py": 19,
-    "packages/core/tests/engine/test_vllm_handoff.py": 19,
+    "packages/core/tests/engine/test_vllm_handoff.py": 34,
     "packages/core/tests/app/test_viewer.py": 23,
     "packages/core/tests/serving/test_messages_api.py": 16,
     "packages/core/tests/rewards/test_ruler.py": 14,
     "packages/core/tests/training/test_packing.py": 13,
     "packages/core/tests/backends/test_schema_fuzz.py": 37,
-    "packages/core/tests/backends/test_many_models.py": 40,  # alone, idle: 2026-11-28
+    "packages/core/tests/backends/test_many_models.py": 60,  # alone: 2026-11-29 (mixed batches)
+    "packages/core/tests/backends/test_budget.py": 60,  # under load: 2026-11-29
     "packages/core/tests/backends/test_tenants.py": 73,  # alone, -n 0, wall: 2026-11-29
     "packages/core/tests/serving/test_model_limits.py": 19,  # alone, -n 0 (32 s wall with collection): 2026-11-29
 }
