@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # (under 12 s) follow in collection order.
 FILE_SECONDS = {
     "packages/core/tests/engine/test_vllm.py": 413,
-    "packages/mcp/tests/test_mcp_rl.py": 245,
+    "packages/mcp/tests/test_mcp_rl.py": 238,  # alone, -n 0: 2026-11-29
     "tests/test_examples.py": 265,
     "packages/mcp/tests/test_win_rate.py": 115,
     "packages/core/tests/backends/test_distributed.py": 137,

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import journeyman as jm
@@ -65,6 +66,15 @@ def _mcp_rl(args: list[str], tmp: Path, timeout: float = 300) -> subprocess.Comp
     return subprocess.run(
         [str(BIN / "mcp-rl"), *args], capture_output=True, text=True, timeout=timeout, env=_env(tmp), cwd=tmp
     )
+
+
+def _mcp_rl_at_once(
+    runs: list[list[str]], tmp: Path, timeout: float = 300
+) -> list[subprocess.CompletedProcess[str]]:
+    """`_mcp_rl` of each argument list, all started together (each start imports the package for
+    seconds): their results, in order."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return list(pool.map(lambda args: _mcp_rl(args, tmp, timeout), runs))
 
 
 def _free_port() -> int:
@@ -175,7 +185,9 @@ async def test_a_server_killed_mid_rollout_fails_that_rollout_and_the_step_train
     scenario = Scenario(
         id="s", task="What is stored under 'answer'?", checks=[Check(tool="lookup", arguments={"key": "k"})]
     )
-    cfg = RolloutConfig(max_turns=1, max_tokens=24)
+    # A free turn: no grammar to compile for the fresh engine (28 s alone, minutes on a busy 2-core
+    # CPU); the kill needs no call from the model, the end-state check reaches the server anyway.
+    cfg = RolloutConfig(max_turns=1, forced_turns=0, max_tokens=24)
     client = model.openai_client()
 
     async with SessionPool(
@@ -333,21 +345,32 @@ def test_check_matches_case_insensitively() -> None:
 
 
 def test_cli_unreachable_server_and_no_tools_exit_cleanly(tmp_path: Path) -> None:
-    r = _mcp_rl(["train", "http://127.0.0.1:9/mcp", "--path", str(tmp_path)], tmp_path, timeout=120)
-    assert r.returncode == 1 and "cannot connect" in r.stderr and "Traceback" not in r.stderr
-    r = _mcp_rl(["train", "--path", str(tmp_path), "--", "no-such-mcp-server-binary"], tmp_path, timeout=60)
-    assert r.returncode == 1 and "not found" in r.stderr and "Traceback" not in r.stderr
     empty = tmp_path / "empty_server.py"
     empty.write_text("from mcp.server.mcpserver import MCPServer\nMCPServer('empty').run()\n")
-    r = _mcp_rl(["train", "--path", str(tmp_path), "--", sys.executable, str(empty)], tmp_path, timeout=120)
-    assert r.returncode == 1 and "no tools" in r.stderr and "Traceback" not in r.stderr
     broken = tmp_path / "broken_server.py"
     broken.write_text("import no_such_module_for_mcp_rl\n")
-    r = _mcp_rl(["train", "--path", str(tmp_path), "--", sys.executable, str(broken)], tmp_path, timeout=120)
+    # five separate runs of the CLI, side by side (each exits before any model loads)
+    unreachable, missing, no_tools, died, helped = _mcp_rl_at_once(
+        [
+            ["train", "http://127.0.0.1:9/mcp", "--path", str(tmp_path / "unreachable")],
+            ["train", "--path", str(tmp_path / "missing"), "--", "no-such-mcp-server-binary"],
+            ["train", "--path", str(tmp_path / "empty"), "--", sys.executable, str(empty)],
+            ["train", "--path", str(tmp_path / "broken"), "--", sys.executable, str(broken)],
+            ["--help"],
+        ],
+        tmp_path,
+        timeout=120,
+    )
+    assert (
+        unreachable.returncode == 1
+        and "cannot connect" in unreachable.stderr
+        and "Traceback" not in unreachable.stderr
+    )
+    assert missing.returncode == 1 and "not found" in missing.stderr and "Traceback" not in missing.stderr
+    assert no_tools.returncode == 1 and "no tools" in no_tools.stderr and "Traceback" not in no_tools.stderr
     # the server's own last words come with the message: why it died, not just "connection closed"
-    assert r.returncode == 1 and "No module named 'no_such_module_for_mcp_rl'" in r.stderr
-    r = _mcp_rl(["--help"], tmp_path)
-    assert r.returncode == 0 and "train" in r.stdout and "scenarios" in r.stdout
+    assert died.returncode == 1 and "No module named 'no_such_module_for_mcp_rl'" in died.stderr
+    assert helped.returncode == 0 and "train" in helped.stdout and "scenarios" in helped.stdout
 
 
 def _check_run(tmp: Path, r: subprocess.CompletedProcess[str], tool_names: set[str]) -> list[dict]:
@@ -418,15 +441,19 @@ def test_train_end_to_end_on_mcp_server_time_stdio_with_ruler(tmp_path: Path) ->
     latest = max([0] + [s["new_step"] for s in report["steps"] if not s.get("skipped")])
     common = ["eval", "--path", str(tmp_path), "--max-tokens", "40", "--max-turns", "2"]
     common += ["--eval-samples", "0", "--against", "none"]
-    r = _mcp_rl([*common, "--step", str(latest), "--", *TIME_SERVER], tmp_path)
+    # the step the run has and one it lacks, evaluated side by side
+    r, lacking = _mcp_rl_at_once(
+        [[*common, "--step", str(step), "--", *TIME_SERVER] for step in (latest, latest + 5)], tmp_path
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     row = r.stdout.splitlines()[-1].split()
     assert row[0] == str(latest), r.stdout
     # Greedy decoding of the same adapter on the same scenario gives the run's own eval numbers.
     same = report["evals"][-1]
     assert float(row[1]) == pytest.approx(same["success"], abs=0.005), (r.stdout, same)
-    r = _mcp_rl([*common, "--step", str(latest + 5), "--", *TIME_SERVER], tmp_path)
-    assert r.returncode == 2 and "step" in r.stderr and "Traceback" not in r.stderr  # a usage error (App)
+    assert (
+        lacking.returncode == 2 and "step" in lacking.stderr and "Traceback" not in lacking.stderr
+    )  # a usage error (App)
 
 
 @pytest.fixture
