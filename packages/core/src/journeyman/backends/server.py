@@ -303,7 +303,13 @@ def create_app(
             journeyman=version("journeyman"), protocol=PROTOCOL_VERSION, models=_visible(backend.registered())
         )
 
-    @app.get("/metrics", include_in_schema=False)
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {"content": {CONTENT_TYPE.split(";")[0]: {}}, "description": "Prometheus' text format"}
+        },
+    )
     async def prometheus() -> Response:
         """Prometheus' text format (`backends/metrics.py`, docs/metrics.md)."""
         return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
