@@ -113,6 +113,8 @@ def plot_eval(report: EvalReport, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from journeyman.app.plot import save_figure
+
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     xs = [s.step for s in report.steps]
     ax.errorbar(
@@ -135,10 +137,4 @@ def plot_eval(report: EvalReport, out: Path) -> Path:
     ax.set_ylabel("reward on the eval split")
     ax.set_xticks(xs)
     ax.set_title(f"{report.model} on {report.environment}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save_figure(fig, ax, out)

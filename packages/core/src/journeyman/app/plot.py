@@ -45,6 +45,13 @@ def plot_history(
     ax.set_xlabel("step")
     ax.set_ylabel(f"mean {metric}")
     ax.set_title(title)
+    return save_figure(fig, ax, out)
+
+
+def save_figure(fig: Any, ax: Any, out: Path) -> Path:
+    """Finish a one-axes plot (grid, legend, tight layout) and write it to `out` as a PNG."""
+    import matplotlib.pyplot as plt
+
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -54,4 +61,4 @@ def plot_history(
     return out
 
 
-__all__ = ["plot_history"]
+__all__ = ["plot_history", "save_figure"]

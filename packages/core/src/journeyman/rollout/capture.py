@@ -116,6 +116,7 @@ class Captures:
         self._journal: IO[str] | None = None  # `keep_on_disk`
         self.journal_path: Path | None = None
         self._lines = 0  # lines in the journal
+        self._compact_at = COMPACT_LINES  # journal lines at which to count whether to compact
 
     def keep_on_disk(self, path: Path) -> int:
         """Journal the calls held to `path` from now on, after filing again what it holds from
@@ -160,8 +161,10 @@ class Captures:
         self._journal.write(_line(record))
         self._journal.flush()
         self._lines += 1
-        if self._lines >= COMPACT_LINES and self._lines > 2 * sum(len(c) for _, c in self._calls.values()):
-            self._compact()
+        if self._lines >= self._compact_at:  # counted again only when the journal has doubled
+            if self._lines > 2 * sum(len(c) for _, c in self._calls.values()):
+                self._compact()
+            self._compact_at = max(COMPACT_LINES, 2 * self._lines)
 
     def add(self, capture_id: str, call: CapturedCall) -> None:
         now = time.monotonic()
