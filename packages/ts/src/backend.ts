@@ -21,7 +21,7 @@ import type { CapturedCall, ModelConfig, SFTConfig, TrainConfig, TrainResult } f
 import type { Trajectory, TrajectoryGroup } from "./types.js";
 
 /** The Backend protocol version this client speaks (`PROTOCOL_VERSION` on the server). */
-export const PROTOCOL_VERSION = 4;
+export const PROTOCOL_VERSION = 5;
 export const PREFIX = "/journeyman/v1";
 export const CAPTURE_HEADER = "x-journeyman-capture";
 

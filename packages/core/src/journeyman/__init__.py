@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING
 
 from journeyman.client.model import Capture, TrainableModel
 from journeyman.client.pipeline_trainer import PipelineConfig, PipelineResult, PipelineTrainer
-from journeyman.client.protocol import Backend, Inference, LiveBackend, current_backend
+from journeyman.client.protocol import (
+    Backend,
+    Inference,
+    LiveBackend,
+    MeteredBackend,
+    charging,
+    current_backend,
+)
 from journeyman.client.remote import RemoteBackend
 from journeyman.client.train_loop import TrainLoop
 from journeyman.data.budget import Budget, BudgetExceededError
@@ -138,6 +145,7 @@ __all__ = [
     "PipelineConfig",
     "PipelineResult",
     "PipelineTrainer",
+    "MeteredBackend",
     "ProtocolMismatchError",
     "RemoteBackend",
     "RemoteError",
@@ -170,3 +178,4 @@ __all__ = [
     "ruler_score_group",
     "write_trajectories",
 ]
+    "charging",

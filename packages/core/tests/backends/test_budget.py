@@ -4,13 +4,16 @@ the limit and how far past it the run is."""
 
 from __future__ import annotations
 
+import functools
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
 import journeyman as jm
 import openai
 import pytest
-from _support import tiny_model_dir
+from _support import RuleJudge, tiny_model_dir
 
 pytestmark = pytest.mark.integration
 
@@ -111,3 +114,79 @@ def test_a_bad_budget_is_refused_naming_the_field() -> None:
         jm.Budget(sampled_tokens=0)
     with pytest.raises(ValueError, match="warn_at"):
         jm.Budget(warn_at=1.5)
+
+
+def _judged() -> jm.TrajectoryGroup:
+    ask = [{"role": "user", "content": "The capital of France?"}]
+    return jm.TrajectoryGroup(
+        jm.Trajectory(messages_and_choices=[*ask, {"role": "assistant", "content": text}])
+        for text in ("Paris.", "Lyon.")
+    )
+
+
+async def test_the_judge_is_charged_to_the_model_it_scores_for_and_stops_at_its_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RULER checks the budget before it asks and charges the answer after: tokens for any judge,
+    dollars from LiteLLM's price table for a LiteLLM one; past a limit it raises, even when told to
+    swallow the judge's errors; a cached answer costs nothing."""
+    from journeyman.client.protocol import charging
+    from journeyman.rewards.ruler import RulerConfig, ruler_score_group
+    from openai.types.chat import ChatCompletion
+
+    backend = jm.LocalBackend(path=tmp_path)
+    by_tokens = _model(judge_tokens=3)  # the rule judge reports 1 prompt + 1 completion token a call
+    by_usd = _model(judge_usd=0.005).model_copy(update={"name": "paid"})
+    with RuleJudge() as judge:
+        try:
+            await by_tokens.register(backend)
+            await by_usd.register(backend)
+            config = RulerConfig(judge_model="rule", cache_dir=tmp_path / "ruler")
+            score = functools.partial(ruler_score_group, judge=judge.base_url, config=config)
+            await score(_judged(), charge_to=by_tokens)
+            assert backend.service(by_tokens).meter.spent()["judge_tokens"] == 2  # pyright: ignore[reportOptionalMemberAccess]
+            await score(_judged(), charge_to=by_tokens)  # cached: nothing asked, nothing charged
+            with charging(by_tokens):  # as a TrainLoop charges its model
+                await score(_judged(), rubric="Shorter is better.")  # 2 < 3 when asked: 4 after
+            with pytest.raises(jm.BudgetExceededError) as e:
+                await score(_judged(), rubric="Longer.", charge_to=by_tokens, swallow_exceptions=True)
+            assert (e.value.budget, e.value.limit, e.value.spent) == ("judge_tokens", 3, 4)
+            assert len(judge.requests) == 2  # the third call was never made
+            assert (tmp_path / "budget/models/capped/spend.json").read_text().count('"judge_tokens": 4')
+
+            async def acompletion(**kwargs: Any) -> Any:  # a paid LiteLLM judge, answering by the rule
+                content = await judge.answer(kwargs)
+                message = {"role": "assistant", "content": content}
+                return ChatCompletion.model_validate(
+                    {
+                        "id": "c",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": kwargs["model"],
+                        "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
+                        "usage": {"prompt_tokens": 1000, "completion_tokens": 100, "total_tokens": 1100},
+                    }
+                )
+
+            def cost_per_token(model: str, prompt_tokens: int, completion_tokens: int) -> tuple[float, float]:
+                assert model == "openai/gpt-4o"  # LiteLLM's table prices it: $2.50 / $10 per 1M tokens
+                return prompt_tokens * 2.5e-6, completion_tokens * 1e-5
+
+            monkeypatch.setitem(
+                sys.modules,
+                "litellm",
+                types.SimpleNamespace(acompletion=acompletion, cost_per_token=cost_per_token),
+            )
+            paid = functools.partial(
+                ruler_score_group, judge="openai/gpt-4o", use_cache=False, charge_to=by_usd
+            )
+            await paid(_judged())
+            await paid(_judged())  # $0.0035 each: under $0.005 when asked
+            with pytest.raises(
+                jm.BudgetExceededError, match=r"budget\.judge_usd: paid spent 0\.007 of its limit"
+            ):
+                await paid(_judged())
+            spent = backend.service(by_usd).meter.spent()  # pyright: ignore[reportOptionalMemberAccess]
+            assert spent["judge_usd"] == pytest.approx(0.007) and spent["judge_tokens"] == 2200
+        finally:
+            backend.close()

@@ -21,7 +21,16 @@ from journeyman.backends.live_training import live_run, outcome_of, start_live
 from journeyman.backends.service import BaseRegistry, ServedModel, ServingSettings
 from journeyman.backends.store import RunStore
 from journeyman.backends.train_step import GRPOUpdate, SFTUpdate, log_groups, run_step
-from journeyman.client.operations import DECIDE, LIVE, LIVE_STATUS, LOG, REPORT_OUTCOME, TRAIN, TRAIN_SFT
+from journeyman.client.operations import (
+    CHARGE,
+    DECIDE,
+    LIVE,
+    LIVE_STATUS,
+    LOG,
+    REPORT_OUTCOME,
+    TRAIN,
+    TRAIN_SFT,
+)
 from journeyman.client.protocol import Evaluate, Inference, named_or_latest
 from journeyman.data.config import ModelConfig, SFTConfig, TrainConfig, TrainerConfig, TrainResult
 from journeyman.data.live_types import Decision, DecisionAction, LiveConfig, LiveStatus, OutcomeReceipt
@@ -310,6 +319,28 @@ class LocalBackend:
     decide = DECIDE.implemented_by(_decide)
 
     # -- the run directory -------------------------------------------------------------------------
+    # -- spend made outside the backend (`MeteredBackend`) -----------------------------------------
+
+    async def _charge(
+        self, model: ModelConfig, judge_usd: float, judge_tokens: int, check: bool
+    ) -> dict[str, float]:
+        """Add a judge's cost to `model`'s spend, then (`check`) refuse more judging past a limit."""
+        if judge_usd < 0 or judge_tokens < 0:
+            raise InvalidFieldError(
+                "judge_usd" if judge_usd < 0 else "judge_tokens",
+                min(judge_usd, judge_tokens),
+                "spend is >= 0",
+            )
+        meter = self.service(model).meter
+        if meter is None:
+            return {}
+        meter.add(judge_usd=judge_usd, judge_tokens=judge_tokens)
+        if check:
+            meter.check("judging")
+        return meter.spent()
+
+    charge = CHARGE.implemented_by(_charge)
+
 
     async def history(self, model: ModelConfig) -> list[dict[str, Any]]:
         return self.service(model).store.history()

@@ -24,11 +24,12 @@ from typing import Any, Generic, Literal, TypeVar, cast
 
 from pydantic import TypeAdapter
 
-from journeyman.client.protocol import Backend, LiveBackend
+from journeyman.client.protocol import Backend, LiveBackend, MeteredBackend
 from journeyman.client.wire import (
     PREFIX,
     Body,
     CapturesBody,
+    ChargeBody,
     DecideBody,
     DeleteCheckpointsBody,
     LiveBody,
@@ -149,6 +150,7 @@ LIVE               = Operation(LiveBackend.live,           "POST", "/models/{nam
 REPORT_OUTCOME     = Operation(LiveBackend.report_outcome, "POST", "/models/{name}/outcome",            OutcomeBody,           OutcomeReceipt,                True,      "sample")
 LIVE_STATUS        = Operation(LiveBackend.live_status,    "GET",  "/models/{name}/live_status",        None,                  LiveStatus,                    True,      "sample")
 DECIDE             = Operation(LiveBackend.decide,         "POST", "/models/{name}/decide",             DecideBody,            Decision,                      False,     "train")
+CHARGE             = Operation(MeteredBackend.charge,      "POST", "/models/{name}/charge",             ChargeBody,            dict[str, float],              False,     "train")
 # fmt: on
 # RUN_DIR is served only: a RemoteBackend answers `run_dir` with what `register` answered.
 
@@ -167,6 +169,7 @@ OPERATIONS: tuple[Operation[Any], ...] = (
     REPORT_OUTCOME,
     LIVE_STATUS,
     DECIDE,
+    CHARGE,
 )
 
 __all__ = ["OPERATIONS", "Operation", "Scope"]

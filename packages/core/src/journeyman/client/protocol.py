@@ -15,7 +15,8 @@ other threads keeps its own state safe. Models are addressed by name (the `Model
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -181,6 +182,21 @@ class LiveBackend(Protocol):
         ...
 
 
+@runtime_checkable
+class MeteredBackend(Protocol):
+    """A backend that keeps each model's spend against its budget (`ModelConfig.budget`,
+    `data/budget.py`) and takes the spend made outside it: RULER's judge calls, asked by the agent
+    process. `LocalBackend` and `RemoteBackend` implement it beside the `Backend`."""
+
+    async def charge(
+        self, model: ModelConfig, judge_usd: float = 0.0, judge_tokens: int = 0, check: bool = True
+    ) -> dict[str, float]:
+        """Add what `model`'s judge cost to its run's spend; then, with `check`, refuse more judging
+        past a limit (`BudgetExceededError`). Answers the spend so far (`Meter.spent`). RULER charges
+        nothing and checks before it asks, then charges what the answer cost without a check."""
+        ...
+
+
 Evaluate = Callable[[str], Awaitable[float]]
 """`evaluate(model name)`: a score of the model served under that name (`name@<step>`), higher better."""
 
@@ -235,6 +251,26 @@ def named_or_latest(model_name: str | None, registered: Sequence[str]) -> str:
 _current: ContextVar[Backend | None] = ContextVar("journeyman_backend", default=None)
 
 
+# The model whose run pays for the help asked on its behalf (RULER's judge): `TrainLoop` sets it
+# while it gathers, so `after_each=ruler_score_group` charges the loop's model with no argument.
+_charged: ContextVar[ModelConfig | None] = ContextVar("journeyman_charged", default=None)
+
+
+@contextmanager
+def charging(model: ModelConfig) -> Iterator[None]:
+    """Inside the block (and the tasks it starts), RULER charges its judge to `model`'s budget."""
+    token = _charged.set(model)
+    try:
+        yield
+    finally:
+        _charged.reset(token)
+
+
+def charged_model() -> ModelConfig | None:
+    """The model `charging` names here, if any."""
+    return _charged.get()
+
+
 def set_current_backend(backend: Backend) -> None:
     _current.set(backend)
 
@@ -254,8 +290,11 @@ __all__ = [
     "Evaluate",
     "Inference",
     "LiveBackend",
+    "MeteredBackend",
     "Progress",
     "ServedBackend",
+    "charged_model",
+    "charging",
     "current_backend",
     "named_or_latest",
 ]

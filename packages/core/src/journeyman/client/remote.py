@@ -29,6 +29,7 @@ import httpx
 
 import journeyman.errors as errors
 from journeyman.client.operations import (
+    CHARGE,
     DECIDE,
     DELETE_CHECKPOINTS,
     GET_STEP,
@@ -340,6 +341,8 @@ class RemoteBackend:
     report_outcome = REPORT_OUTCOME.forwarded_to(_send)
     live_status = LIVE_STATUS.forwarded_to(_send)
     decide = DECIDE.forwarded_to(_send)
+    # what a judge cost (`MeteredBackend`)
+    charge = CHARGE.forwarded_to(_send)
 
     def run_dir(self, model: ModelConfig) -> Path:
         """The run directory on the server's machine (as the server reported it at registration)."""

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from journeyman.client.protocol import charging
 from journeyman.data.config import TrainConfig, TrainResult
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.rollout.gather import AfterEach, gather_trajectory_groups
@@ -64,7 +65,8 @@ class LoopStep:
 @dataclass
 class TrainLoop(Generic[S]):
     """Train `model` on groups of `rollout(scenario)` drawn from `scenarios`, a step at a time (see
-    the module for an example). `after_each` may rescore each group as it is gathered (RULER)."""
+    the module for an example). `after_each` may rescore each group as it is gathered (RULER, whose
+    judge is charged to the model's budget)."""
 
     model: TrainableModel
     rollout: Callable[[S], Awaitable[Trajectory]]
@@ -84,14 +86,15 @@ class TrainLoop(Generic[S]):
         for _ in range(n):
             step = await self.model.get_step()
             t0 = time.perf_counter()
-            groups = await gather_trajectory_groups(
-                (
-                    TrajectoryGroup(self.rollout(s) for _ in range(self.group_size))
-                    for s in self._rng.sample(self.scenarios, self.groups_per_step)
-                ),
-                pbar_desc=f"step {step}",
-                after_each=self.after_each,
-            )
+            with charging(self.model):  # RULER in `after_each` charges its judge to this model's budget
+                groups = await gather_trajectory_groups(
+                    (
+                        TrajectoryGroup(self.rollout(s) for _ in range(self.group_size))
+                        for s in self._rng.sample(self.scenarios, self.groups_per_step)
+                    ),
+                    pbar_desc=f"step {step}",
+                    after_each=self.after_each,
+                )
             t1 = time.perf_counter()
             result = await self.model.train(groups, config=self.config)
             yield LoopStep(step, groups, result, t1 - t0, time.perf_counter() - t1)

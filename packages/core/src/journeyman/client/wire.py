@@ -23,7 +23,7 @@ from journeyman.data.trajectory_file import check_trajectories
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on any change to these bodies or routes; client and server refuse a mismatch by name."""
 
 PREFIX = "/journeyman/v1"
@@ -146,6 +146,12 @@ class DecideBody(Body):
         default=None, description="default: the candidate (promote, reject), the promoted step (rollback)"
     )
     reason: str = ""
+
+
+class ChargeBody(Body):
+    judge_usd: float = Field(default=0.0, ge=0, description="what the judge's answers cost, in US dollars")
+    judge_tokens: int = Field(default=0, ge=0, description="the tokens the judge read and wrote")
+    check: bool = Field(default=True, description="then refuse (402) when a judging limit is reached")
 
 
 class TrainEvent(BaseModel):

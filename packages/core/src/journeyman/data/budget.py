@@ -1,12 +1,14 @@
 """A model's budget: hard caps on what its run spends, and what it has spent, kept across restarts.
 
-`Budget` (`ModelConfig.budget`) caps tokens sampled by its endpoint, tokens trained and wall time
-since the budget began. `Meter` keeps the spend in the run directory (`spend.json`,
+`Budget` (`ModelConfig.budget`) caps tokens sampled by its endpoint, tokens trained, what RULER's
+judge costs the run (currency from LiteLLM's price table for a paid judge, tokens for any judge) and
+wall time since the budget began. `Meter` keeps the spend in the run directory (`spend.json`,
 written atomically: at each training step, and after sampling at most every `SAVE_EVERY_S`), so a
 restarted server goes on counting where it stopped. Past `warn_at` of a limit it logs a warning
 once; at a limit the work that would spend more is refused before it starts with
 `BudgetExceededError`, which names the budget, the limit and how far past it the run is: the
-endpoint's 402, a training step's refusal, live training's stop (the step in progress commits).
+endpoint's 402, a training step's refusal, live training's stop (the step in progress commits), a
+RULER call refused before it asks its judge (an answer, once paid for, is always counted).
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ __all__ = ["SAVE_EVERY_S", "Budget", "BudgetExceededError", "Meter", "Spend"]
 log = logging.getLogger("journeyman.budget")
 
 SAVE_EVERY_S = 5.0  # sampled tokens are written to spend.json at most this often (a step writes at once)
-Work = Literal["sampling", "training"]
+Work = Literal["sampling", "training", "judging"]
 _SPENDS: dict[str, tuple[Work, ...]] = {
     "sampled_tokens": ("sampling",),
     "trained_tokens": ("training",),
-    "wall_s": ("sampling", "training"),
+    "judge_usd": ("judging",),
+    "judge_tokens": ("judging",),
+    "wall_s": ("sampling", "training", "judging"),
 }
 
 
@@ -47,6 +51,14 @@ class Budget(BaseModel):
     trained_tokens: int | None = Field(
         default=None, ge=1, description="tokens its training steps may train on (the loss's tokens)"
     )
+    judge_usd: float | None = Field(
+        default=None,
+        gt=0,
+        description="US dollars its RULER judge may cost, priced by LiteLLM's table (a LiteLLM judge)",
+    )
+    judge_tokens: int | None = Field(
+        default=None, ge=1, description="tokens its RULER judge may read and write (any judge: local too)"
+    )
     wall_s: float | None = Field(
         default=None, gt=0, description="seconds since the budget began (its first registration with one)"
     )
@@ -60,6 +72,8 @@ class Spend(BaseModel):
 
     sampled_tokens: int = 0
     trained_tokens: int = 0
+    judge_usd: float = 0.0
+    judge_tokens: int = 0
     started_at: float = Field(default_factory=time.time, description="when the budget began (epoch seconds)")
 
     def of(self, name: str, now: float | None = None) -> float:
@@ -106,12 +120,22 @@ class Meter:
                 if work in _SPENDS[name] and spent >= limit:
                     raise BudgetExceededError(self.model, name, limit, spent)
 
-    def add(self, *, sampled_tokens: int = 0, trained_tokens: int = 0) -> None:
+    def add(
+        self,
+        *,
+        sampled_tokens: int = 0,
+        trained_tokens: int = 0,
+        judge_usd: float = 0.0,
+        judge_tokens: int = 0,
+    ) -> None:
         with self._lock:
             self.spend.sampled_tokens += sampled_tokens
             self.spend.trained_tokens += trained_tokens
+            self.spend.judge_usd += judge_usd
+            self.spend.judge_tokens += judge_tokens
             now = time.monotonic()
-            if trained_tokens or now - self._saved_at >= SAVE_EVERY_S:
+            # a step's or a judge's spend is written at once (each is rare, and the judge's is money)
+            if trained_tokens or judge_usd or judge_tokens or now - self._saved_at >= SAVE_EVERY_S:
                 self._save()
             for name, limit, spent in self._levels():
                 if spent >= self.budget.warn_at * limit and name not in self._warned:

@@ -15,14 +15,17 @@ A spec is what a user writes on a command line or in code:
 `LLM.identity` names who answers, for caches: a local model's includes the step it serves
 (`local:agent@3`), because a policy that judges itself is a new judge after every training step.
 Every call has a timeout: a local CPU engine given a huge prompt was seen to answer nothing for
-minutes rather than fail.
+minutes rather than fail. `answer_cost` says what an answer cost (tokens; US dollars from LiteLLM's
+price table for a LiteLLM model), for budgets (`data/budget.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
@@ -34,9 +37,12 @@ from journeyman.data.config import ModelConfig
 from journeyman.errors import InvalidFieldError, JourneymanError, UnknownModelError
 
 if TYPE_CHECKING:
+    from openai.types import CompletionUsage
     from openai.types.chat import ChatCompletion
 
     from journeyman.client.protocol import Backend
+
+log = logging.getLogger("journeyman.llm")
 
 LLMSpec = str | ModelConfig
 """What names an LLM: "local", "local:<name>", a model object, an http(s) base URL, a LiteLLM id."""
@@ -180,10 +186,12 @@ async def complete_json(
     name: str = "answer",
     params: dict[str, Any] | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    on_response: Callable[[ChatCompletion], None] | None = None,
 ) -> tuple[str, str | None]:
     """(answer text, finish reason) for `messages`, asked with `schema` as a JSON-schema response_format.
 
-    `params` go to the completion call as they are (temperature, max_tokens, seed, reasoning_effort...).
+    `params` go to the completion call as they are (temperature, max_tokens, seed, reasoning_effort...);
+    `on_response` sees the whole response (its `usage`: what the answer cost, `answer_cost`).
     Local and base-URL servers decode under the schema (`strict`); LiteLLM providers get it with
     `strict: false` (their strict modes accept different keywords), so check the answer yourself.
     """
@@ -195,7 +203,7 @@ async def complete_json(
     }
     try:
         return await asyncio.wait_for(
-            _complete(llm, messages, response_format, params or {}, timeout), timeout
+            _complete(llm, messages, response_format, params or {}, timeout, on_response), timeout
         )
     except TimeoutError as e:
         raise LLMTimeoutError(llm.identity, timeout) from e
@@ -238,6 +246,7 @@ async def _complete(
     response_format: dict[str, Any],
     params: dict[str, Any],
     timeout: float,
+    on_response: Callable[[ChatCompletion], None] | None,
 ) -> tuple[str, str | None]:
     client = chat_client(llm, timeout)
     try:
@@ -246,8 +255,38 @@ async def _complete(
         )
     finally:
         await client.close()
+    if on_response is not None:
+        on_response(resp)
     choice = resp.choices[0]
     return choice.message.content or "", choice.finish_reason
+
+
+_unpriced: set[str] = set()  # LiteLLM models warned about once: their price is not in the table
+
+
+def answer_cost(llm: LLM, usage: CompletionUsage | None) -> tuple[int, float]:
+    """(tokens, US dollars) one answer cost: the tokens it read and wrote (any LLM; none when the
+    server reports no usage), and for a LiteLLM model their price in LiteLLM's own table
+    (`litellm.cost_per_token`, shipped with the package; no request made). A model the table lacks,
+    and a local or base-URL one, costs $0 (the first, with a warning once): cap those by tokens."""
+    if usage is None:
+        return 0, 0.0
+    tokens = usage.prompt_tokens + usage.completion_tokens
+    if llm.kind != "litellm":
+        return tokens, 0.0
+    litellm = _import_litellm("judge", llm.model)
+    try:
+        prompt_usd, completion_usd = litellm.cost_per_token(
+            model=llm.model, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens
+        )
+    except Exception as e:  # LiteLLM raises its own errors for a model it cannot price
+        if llm.model not in _unpriced:
+            _unpriced.add(llm.model)
+            log.warning(
+                "%s has no price in LiteLLM's table (%s): its answers count $0, tokens only", llm.model, e
+            )
+        return tokens, 0.0
+    return tokens, float(prompt_usd) + float(completion_usd)
 
 
 __all__ = [
@@ -256,6 +295,7 @@ __all__ = [
     "LLMSpec",
     "LLMTimeoutError",
     "LiteLLMChat",
+    "answer_cost",
     "chat_client",
     "complete_json",
     "resolve_llm",

@@ -3,11 +3,17 @@ scores into rewards, retry once when the answer is unusable."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from journeyman.client.model import TrainableModel
+from journeyman.client.protocol import MeteredBackend, charged_model, current_backend
+from journeyman.data.budget import BudgetExceededError
+from journeyman.data.config import ModelConfig
 from journeyman.data.types import Trajectory, TrajectoryGroup
 from journeyman.errors import InvalidFieldError, JourneymanError
-from journeyman.rewards.llm import LLM, LLMSpec, complete_json, resolve_llm, spec_label
+from journeyman.rewards.llm import LLM, LLMSpec, answer_cost, complete_json, resolve_llm, spec_label
 from journeyman.rewards.ruler._cache import cache_key, cache_read, cache_write, default_cache_dir
 from journeyman.rewards.ruler._config import RulerConfig
 from journeyman.rewards.ruler._prompt import (
@@ -21,7 +27,12 @@ from journeyman.rewards.ruler._prompt import (
 )
 
 if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletion
+
     from journeyman.client.protocol import Backend
+
+Pay = Callable[[LLM, "ChatCompletion | None"], Awaitable[None]]
+"""`pay(judge, response)`: check the budget before a call (response None), charge an answer after."""
 
 
 class RulerJudgeError(JourneymanError, RuntimeError):
@@ -44,6 +55,7 @@ async def ruler_score_group(
     *,
     config: RulerConfig | None = None,
     backend: Backend | None = None,
+    charge_to: ModelConfig | None = None,
     **options: Any,
 ) -> TrajectoryGroup:
     """Score each trajectory of `group` in [0, 1] relative to the others; return a new group.
@@ -60,6 +72,10 @@ async def ruler_score_group(
     config / **options: a `RulerConfig`, and/or its fields by name (`judge_model=`, `explanation_chars=`,
         `cache_dir=`...), which override the config's.
     backend: where local judges are served; the backend of the latest `model.register` when None.
+    charge_to: the model whose budget pays for the judge (`Budget.judge_usd`, `Budget.judge_tokens`):
+        before each call its budget is checked (`BudgetExceededError` when spent, never swallowed),
+        after it the answer's tokens and price are charged; cached answers cost nothing. None: the
+        model a `TrainLoop` (or `journeyman.client.protocol.charging`) trains here, else no one.
 
     The new group's rewards are score / 10; each trajectory keeps its previous reward as
     `metrics["independent_reward"]` (the first one, if the group was scored before), and gets
@@ -77,18 +93,50 @@ async def ruler_score_group(
     if not group.trajectories:
         return group
     rubric = DEFAULT_RUBRIC if rubric is None else rubric
+    pay = _payer(charge_to if charge_to is not None else charged_model(), backend)
     try:
-        return await _score(group, judge, rubric, cfg, backend)
-    except (InvalidFieldError, ImportError):
-        raise  # a wrong argument or a missing extra is the caller's to fix, never swallowed
+        return await _score(group, judge, rubric, cfg, backend, pay)
+    except (InvalidFieldError, ImportError, BudgetExceededError):
+        raise  # a wrong argument, a missing extra or a spent budget is the caller's, never swallowed
     except Exception as e:
         if not swallow_exceptions:
             raise
         return _skipped(group, spec_label(judge), e)
 
 
+def _payer(model: ModelConfig | None, backend: Backend | None) -> Pay | None:
+    """How RULER pays for `model`'s judge: through the backend that keeps its budget (its own when
+    it is a registered TrainableModel), if that backend meters spend (`MeteredBackend`)."""
+    if model is None:
+        return None
+    where: Any = backend
+    if isinstance(model, TrainableModel):
+        with contextlib.suppress(JourneymanError):  # not registered itself: the backend given, or current
+            where = model.backend
+    if where is None:
+        where = current_backend("charge_to")
+    if not isinstance(where, MeteredBackend):
+        return None
+    metered: MeteredBackend = where
+
+    async def pay(judge: LLM, response: ChatCompletion | None) -> None:
+        if response is None:
+            await metered.charge(model, check=True)
+            return
+        tokens, usd = answer_cost(judge, response.usage)
+        if tokens or usd:
+            await metered.charge(model, judge_usd=usd, judge_tokens=tokens, check=False)
+
+    return pay
+
+
 async def _score(
-    group: TrajectoryGroup, spec: LLMSpec, rubric: str, cfg: RulerConfig, backend: Backend | None
+    group: TrajectoryGroup,
+    spec: LLMSpec,
+    rubric: str,
+    cfg: RulerConfig,
+    backend: Backend | None,
+    pay: Pay | None,
 ) -> TrajectoryGroup:
     judge = await resolve_llm(spec, cfg.judge_model, api_key=cfg.api_key, backend=backend, field="judge")
     prompt = build_prompt(
@@ -112,7 +160,7 @@ async def _score(
     if hit is not None:
         by_digest, answer = hit
     else:
-        by_digest, answer, retries = await _ask(judge, prompt, params, cfg.timeout_s)
+        by_digest, answer, retries = await _ask(judge, prompt, params, cfg.timeout_s, pay)
         if cfg.use_cache:
             cache_write(path, judge.identity, by_digest, answer)
 
@@ -173,16 +221,29 @@ def _regrouped(
 
 
 async def _ask(
-    judge: LLM, prompt: JudgePrompt, params: dict[str, Any], timeout: float
+    judge: LLM, prompt: JudgePrompt, params: dict[str, Any], timeout: float, pay: Pay | None
 ) -> tuple[dict[str, RulerScore], str, int]:
-    """(scores by trajectory digest, the raw answer, retries): one retry, told what was wrong."""
+    """(scores by trajectory digest, the raw answer, retries): one retry, told what was wrong. Each
+    call is paid for: the budget checked before it, its answer charged after (a wrong one too)."""
     messages = list(prompt.messages)
     problems: list[str] = []
     answers: list[str] = []
     for attempt in range(2):
+        responses: list[ChatCompletion] = []
+        if pay is not None:
+            await pay(judge, None)
         content, finish = await complete_json(
-            judge, messages, prompt.schema, name="ruler_scores", params=params, timeout=timeout
+            judge,
+            messages,
+            prompt.schema,
+            name="ruler_scores",
+            params=params,
+            timeout=timeout,
+            on_response=responses.append,
         )
+        if pay is not None:
+            for response in responses:
+                await pay(judge, response)
         scores, problem = parse_scores(content, prompt.ids)
         if scores is not None:
             by_digest = {d: scores[i] for i, d in zip(prompt.ids, prompt.digests, strict=True)}
