@@ -317,7 +317,7 @@ def test_eight_models_add_seven_adapters_and_optimizers_not_a_base() -> None:
     each = one.adapter + one.optimizer
     assert eight.sampling_peak - one.sampling_peak == 7 * each == 7 * eight.per_model
     assert eight.engine_weights == one.engine_weights
-    assert eight.engine_adapters == 4 * one.engine_adapters  # max_loras=2 slots -> 8
+    assert eight.engine_adapters == 8 * one.engine_adapters  # max_loras=2 slots -> 16, two a model
     assert one.engine_kv_cache - eight.engine_kv_cache == eight.engine_adapters - one.engine_adapters
 
 

@@ -32,7 +32,7 @@ from _support import recorded_choice
 from journeyman.engine.base import SamplingParams
 from journeyman.engine.handoff import DeviceMemory, check_fits, weight_bytes
 from journeyman.engine.vllm_engine import VLLMEngine, VLLMWakeError
-from journeyman.engine.vllm_server import VLLMConfig, VLLMServer, check_layout
+from journeyman.engine.vllm_server import VLLMConfig, VLLMServer, check_layout, lora_slots
 from journeyman.errors import EngineDownError, InvalidFieldError, WakeMemoryError
 from pydantic import ValidationError
 
@@ -443,3 +443,49 @@ async def test_models_on_one_base_share_one_server_each_under_its_own_adapter_na
         first.close()
         second.close()
     assert not second.server.alive()
+
+
+def _max_loras(log: Path) -> list[int]:
+    """`--max-loras` of each start of the server, in order."""
+    starts = [json.loads(line) for line in log.read_text().splitlines()]
+    return [int(c["argv"][c["argv"].index("--max-loras") + 1]) for c in starts if c["method"] == "START"]
+
+
+def test_a_server_holds_two_adapter_slots_a_model_doubled_as_models_join() -> None:
+    assert [lora_slots(n, 2) for n in (1, 2, 3, 4, 5, 8, 9)] == [2, 4, 8, 8, 16, 16, 32]
+    assert lora_slots(1, 1) == 1 and lora_slots(2, 1) == 4 and lora_slots(2, 6) == 6
+
+
+async def test_a_model_joining_beyond_the_adapter_slots_restarts_the_server_with_twice_as_many(
+    tmp_path: Path,
+) -> None:
+    """max_loras=2 holds one model's two steps: the second model's join restarts the shared server
+    with 4 (`lora_slots`), the third's with 8, the fourth fits. A completion running at the join
+    finishes on the old server, one asked meanwhile waits for the new one, which has the first
+    model's served adapter loaded again before it answers."""
+    first, log = await _engine(tmp_path, env={"STANDIN_COMPLETE_DELAY_S": "0.5"})
+    joined: list[VLLMEngine] = []
+    try:
+        await first.load_adapter(_adapter(tmp_path, "a1"), 1)
+        old_pid = first.server.pid
+        running = asyncio.create_task(first.generate([1, 2, 3], SamplingParams(max_tokens=2)))
+        await asyncio.sleep(0.2)  # on the server
+        join = asyncio.create_task(asyncio.to_thread(VLLMEngine, tmp_path / "model", {0}, share_with=first))
+        await asyncio.sleep(0.1)  # the join holds new requests back
+        asked = asyncio.create_task(first.generate([1, 2], SamplingParams(max_tokens=2)))
+        joined.append(await join)
+        assert len(await running) == len(await asked) == 1
+        assert first.config.max_loras == joined[0].config.max_loras == 4 and first.down is None
+        assert _max_loras(log) == [2, 4] and first.server.pid != old_pid and first.restarts == 0
+        assert [c for c in _calls(log, old_pid) if c != "health"][-1] == "complete policy@1"
+        fresh = [c for c in _calls(log, first.server.pid) if c != "health"]
+        assert fresh == ["start", "load policy@1", "complete policy@1"]
+
+        for _ in range(2):
+            joined.append(await asyncio.to_thread(VLLMEngine, tmp_path / "model", {0}, share_with=first))
+        assert _max_loras(log) == [2, 4, 8] and joined[-1].config.max_loras == 8
+        await joined[-1].generate([1, 2], SamplingParams(max_tokens=2))
+    finally:
+        for engine in [first, *joined]:
+            engine.close()
+    assert not first.server.alive()

@@ -24,7 +24,8 @@ until all are back); after a level-2 sleep the woken weights are garbage until `
 Every call is appended to $STANDIN_LOG as one JSON line with this process's pid (and one "start"
 line with the allocator settings it was given), so a test sees the order across restarts.
 `POST /_mark?what=...` (not vLLM's) lets a test put its own events in that order.
-$STANDIN_WAKE_DELAY_S delays each /wake_up (a wake that hangs).
+$STANDIN_WAKE_DELAY_S delays each /wake_up (a wake that hangs), $STANDIN_COMPLETE_DELAY_S each
+completion (a request still running when something else happens).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class State:
         self.served_name = served_name
         self.log_path = log_path
         self.wake_delay = float(os.environ.get("STANDIN_WAKE_DELAY_S", "0"))
+        self.complete_delay = float(os.environ.get("STANDIN_COMPLETE_DELAY_S", "0"))
 
     def record(self, entry: dict[str, Any]) -> None:
         if self.log_path:
@@ -187,6 +189,7 @@ def make_handler(state: State, api_key: str | None) -> type[BaseHTTPRequestHandl
                 # a paused scheduler holds requests until every tag is awake
                 state.lock.wait_for(lambda: not state.asleep, timeout=60)
                 garbage = not state.weights_valid
+            time.sleep(state.complete_delay)
             prompt = body["prompt"]
             n, max_tokens = int(body.get("n", 1)), int(body.get("max_tokens", 16))
             choices = []

@@ -647,11 +647,12 @@ def _compute(
     tp = layout.tensor_parallel_size
     kv_token = shape.kv_bytes_per_token(eb, tp)
     if layout.engine == "vllm":
-        from journeyman.engine.vllm_server import lora_rank_for  # httpx and the supervisor: only when asked
+        # httpx and the supervisor: only when asked
+        from journeyman.engine.vllm_server import lora_rank_for, lora_slots
 
-        # one server serves every model on the base: each model's adapter resident (max_loras at
-        # least the models), all beside one KV pool, which the extra slots shrink
-        slots = max(layout.max_loras, models) * shape.lora_parameters(
+        # one server serves every model on the base: two adapter slots a model (max_loras doubled as
+        # models join, `lora_slots`), all beside one KV pool, which the extra slots shrink
+        slots = lora_slots(models, layout.max_loras) * shape.lora_parameters(
             lora_rank_for(setup.lora.r), setup.lora.target_modules
         )
         engine_weights = params * eb // tp

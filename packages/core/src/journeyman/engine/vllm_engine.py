@@ -30,18 +30,23 @@ every model registered on a base already served): each model's steps are adapter
 names (`vllm_adapters`), sampled in the same batches, and a restarted server gets every model's
 served adapter back. A server that several models share does not sleep through a step: that would
 stall every other model's traffic for it; the memory plan then checks that the trainer fits beside
-vLLM awake (`backends/service.py: check_memory_plan`). vLLM holds `VLLMConfig.max_loras` adapters
-in a batch at once: give it two a model for every model's rows to batch together.
+vLLM awake (`backends/service.py: check_memory_plan`). vLLM batches at most `--max-loras` adapters
+together; a server needs two a model (`vllm_server.lora_slots`) for every model's rows to share its
+batches. A model that joins beyond that restarts the server with twice the slots: the requests
+and adapter loads in flight finish first, new ones wait, and every model's served adapter is loaded
+again before they go on (`_grow`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
 import time
 import weakref
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +58,7 @@ from journeyman.engine.base import Engine, OnToken, Sample, SamplingParams
 from journeyman.engine.grammar import SCHEMA_FIELD
 from journeyman.engine.vllm_adapters import BASE_NAME, VLLMAdapters, step_of
 from journeyman.engine.vllm_handoff import VLLMHandoff
-from journeyman.engine.vllm_server import VLLMConfig, VLLMServer
+from journeyman.engine.vllm_server import VLLMConfig, VLLMServer, lora_slots
 from journeyman.engine.vllm_wire import (
     Refused,
     VLLMRequestError,
@@ -72,11 +77,57 @@ __all__ = ["VLLMEngine", "VLLMRequestError", "VLLMWakeError"]
 log = logging.getLogger("journeyman.vllm")
 
 
+class _Gate:
+    """The requests and adapter loads on a server, counted, so that a restart on purpose (`_grow`)
+    lets those inside finish and holds back new ones until the fresh server is up."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._inside = 0
+        self._shut = False
+
+    @contextlib.asynccontextmanager
+    async def passage(self) -> AsyncIterator[None]:
+        while True:
+            with self._cond:
+                if not self._shut:
+                    self._inside += 1
+                    break
+            await asyncio.to_thread(self._wait_open)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inside -= 1
+                self._cond.notify_all()
+
+    def _wait_open(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._shut)
+
+    @contextlib.contextmanager
+    def shut(self, timeout_s: float) -> Iterator[None]:
+        """Closed to newcomers, once those inside have left (or `timeout_s` passed), until the end."""
+        with self._cond:
+            self._shut = True
+            if not self._cond.wait_for(lambda: self._inside == 0, timeout_s):
+                log.warning(
+                    "%d vLLM requests still running after %.0f s; restarting anyway", self._inside, timeout_s
+                )
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shut = False
+                self._cond.notify_all()
+
+
 @dataclass
 class _Supervision:
     """The server's state, one for every model it serves (`VLLMEngine.share_with`)."""
 
     engines: list[VLLMEngine] = field(default_factory=list)  # the open engines on the server
+    gate: _Gate = field(default_factory=_Gate)  # what runs on it, held back while it is replaced
     down: str | None = None  # why requests are refused, while the server is down
     restarts: int = 0
     restart_pending: bool = False  # exited asleep: restart at the wake
@@ -119,6 +170,13 @@ class VLLMEngine(Engine):
                 self.config.request_timeout_s, f"{BASE_NAME}-{len(self._sup.engines)}"
             )
             self._sup.engines.append(self)
+            slots = lora_slots(len(self._sup.engines), self.config.max_loras)
+            if slots > self.config.max_loras:
+                try:
+                    self._grow(slots)
+                except BaseException:
+                    self._sup.engines.remove(self)
+                    raise
             return
         self.config = config or VLLMConfig()
         self.server = VLLMServer(
@@ -284,6 +342,47 @@ class VLLMEngine(Engine):
             self.step,
         )
 
+    def _grow(self, slots: int) -> None:
+        """Restart the shared server with `slots` adapters a batch (`--max-loras`), blocking: those
+        running on it finish first, new requests wait, every model's served adapter is loaded again.
+        A fresh server that does not start gives way to one as before (a warning: its models' rows
+        then batch `max_loras` adapters at a time)."""
+        self.sleep_wake.awake.wait()  # not while a step holds the GPU (a lone model's server sleeps)
+        old = self.config
+        log.info(
+            "vLLM restarts for %d models on one server: max_loras %d -> %d",
+            len(self._sup.engines),
+            old.max_loras,
+            slots,
+        )
+        with self._sup.gate.shut(old.request_timeout_s):
+            try:
+                self._relaunch(old.model_copy(update={"max_loras": slots}))
+            except Exception as e:
+                log.warning(
+                    "vLLM did not restart with max_loras=%d (%s); serving %d models with %d",
+                    slots,
+                    e,
+                    len(self._sup.engines),
+                    old.max_loras,
+                )
+                self._relaunch(old)
+
+    def _relaunch(self, config: VLLMConfig) -> None:
+        self._down = f"the vLLM server restarts (max_loras={config.max_loras})"
+        try:
+            self.server.relaunch(config)
+            for engine in self._sup.engines:
+                engine.config = config
+                engine._clients.clear()  # bound to the old server's connections (and maybe its port)
+                engine.adapters.forget()
+                if engine.adapters.current is not None:
+                    asyncio.run(engine._load(*engine.adapters.current, config.request_timeout_s))
+        except Exception as e:
+            self._down = f"the vLLM server could not be restarted: {e}"
+            raise
+        self._down = None
+
     # -- sampling ----------------------------------------------------------------------------------
 
     def request_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
@@ -297,6 +396,12 @@ class VLLMEngine(Engine):
             await asyncio.to_thread(self.sleep_wake.awake.wait)
         if self.sleep_wake.error is not None:
             raise EngineDownError(f"completion: vLLM did not wake: {self.sleep_wake.error}")
+        async with self._sup.gate.passage():  # held back while the server is replaced (`_grow`)
+            return await self._generate(prompt_ids, params, on_token)
+
+    async def _generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: OnToken | None
+    ) -> list[Sample]:
         body = self.request_body(prompt_ids, params)
         name = str(body["model"])  # the policy that samples it, whatever loads meanwhile
         if params.adapter is not None:
@@ -372,9 +477,10 @@ class VLLMEngine(Engine):
         if self.sleep_wake.asleep:
             await self._wake((path, step))
             return
-        if self._down is not None and not self._restarting:
-            raise EngineDownError(f"load adapter of step {step}: {self._down}")
-        await self._load(path, step, self.config.request_timeout_s)
+        async with self._sup.gate.passage():
+            if self._down is not None and not self._restarting:
+                raise EngineDownError(f"load adapter of step {step}: {self._down}")
+            await self._load(path, step, self.config.request_timeout_s)
 
     async def _load(self, path: Path, step: int, timeout: float) -> None:
         t0 = time.perf_counter()

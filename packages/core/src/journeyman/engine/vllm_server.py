@@ -239,6 +239,17 @@ def linear_module_suffixes(model_dir: Path) -> list[str]:
     return sorted(found - {"embed_tokens", "lm_head", "wte", "wpe", "embed_in", "embed_out"})
 
 
+def lora_slots(models: int, max_loras: int) -> int:
+    """`--max-loras` (adapters in one batch) of a server that `models` models on one base share: two
+    a model (its served step, and the one before while requests still run on it), `max_loras` (the
+    first model's) doubled until they fit, so a server restarts for it once a doubling
+    (`VLLMEngine(share_with=)`), not once a model. One model: `max_loras` as configured."""
+    slots = max_loras
+    while models > 1 and slots < 2 * models:
+        slots *= 2
+    return slots
+
+
 def lora_rank_for(r: int) -> int:
     for rank in _LORA_RANKS:
         if rank >= r:
@@ -455,6 +466,13 @@ class VLLMServer:
                         f"(VLLMConfig.startup_timeout_s; log: {self.log_path}):\n{self.log_tail()}"
                     )
                 time.sleep(0.5)
+
+    def relaunch(self, config: VLLMConfig) -> None:
+        """Stop this server and start a fresh one with `config`: a restart on purpose, which
+        `on_exit` is not told of (the old process's exit is no crash)."""
+        self.stop()
+        self.config, self._closed = config, False
+        self.start()
 
     def restart(self) -> None:
         """A fresh server after this one exited on its own; what is left of the old process group
