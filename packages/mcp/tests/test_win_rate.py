@@ -142,15 +142,16 @@ async def test_a_trained_adapter_the_judge_prefers_wins_and_the_base_ties_with_i
     )
     async with SessionPool(ServerSpec.parse(TODO_SERVER), size=2) as pool:
         # the one tool the tasks need (as `--tools add_task` would): a prompt of 350 tokens, not 589,
-        # so the 10 SFT epochs below cost a third less
+        # so the SFT epochs below cost a third less
         info = (await pool.describe()).select(settings.tools)
         _, base_runs = await evaluate(model, pool, info, scenarios, cfg, log=False)
-        # teach the adapter the marker: one SFT step on demonstrations of other tasks
+        # teach the adapter the marker: one SFT step on demonstrations of other tasks. Four epochs
+        # (loss 1.17 -> 0.007; 3 passed too) where ten were run: each epoch is ~6 s of a 2-core CPU
         demos = [
             _taught(info.tools, system_prompt(info), f"Put '{t}' on my list.")
             for t in ["pay rent", "walk the dog", "fix the bike"]
         ]
-        sft_cfg = jm.SFTConfig(epochs=10, learning_rate=3e-3, lr_schedule="constant", warmup_ratio=0.0)
+        sft_cfg = jm.SFTConfig(epochs=4, learning_rate=3e-3, lr_schedule="constant", warmup_ratio=0.0)
         sft = await model.train_sft(demos, config=sft_cfg)
         assert sft.step == 1
         _, trained = await evaluate(model, pool, info, scenarios, cfg, log=False)
