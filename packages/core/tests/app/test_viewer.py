@@ -177,6 +177,31 @@ def test_viewer_api_pages_a_run_and_refuses_bad_input(tmp_path: Path) -> None:
         server.close()
 
 
+def test_viewer_shows_a_runs_spend_against_its_budget(tmp_path: Path) -> None:
+    """Issue 57: the run's page shows its spend (spend.json, as the backend's Meter writes it) against
+    each limit of its budget; a run with no spend.json, or a damaged one, shows none."""
+    from journeyman.data.budget import Meter
+
+    run = tmp_path / "proj" / "models" / "m"
+    meter = Meter("m", run / "spend.json", jm.Budget(sampled_tokens=1000, judge_usd=2.0))
+    meter.add(sampled_tokens=250, judge_usd=0.125, judge_tokens=900)
+    meter.flush()
+    (run / "history.jsonl").write_text(json.dumps({"step": 0, "split": "train"}) + "\n")
+    other = tmp_path / "proj" / "models" / "n"
+    other.mkdir(parents=True)
+    (other / "history.jsonl").write_text(json.dumps({"step": 0, "split": "train"}) + "\n")
+    (other / "spend.json").write_text('{"sampled_tokens": ')
+    server = ViewerServer([tmp_path]).start()
+    try:
+        runs = {r["name"]: r for r in _get(server.url + "api/runs")[1]}
+        assert runs["m"]["spend"].startswith(  # wall time: from the budget's start to the last write
+            "sampled_tokens 250/1000 (25%), judge_usd 0.125/2 (6%), judge_tokens 900, wall_s "
+        )
+        assert runs["n"]["spend"] == ""
+    finally:
+        server.close()
+
+
 def test_viewer_in_chromium(trained: _Run, chromium: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     from playwright.sync_api import expect, sync_playwright
 

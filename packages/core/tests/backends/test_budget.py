@@ -190,3 +190,27 @@ async def test_the_judge_is_charged_to_the_model_it_scores_for_and_stops_at_its_
             assert spent["judge_usd"] == pytest.approx(0.007) and spent["judge_tokens"] == 2200
         finally:
             backend.close()
+
+
+def test_the_budget_options_build_the_model_budget() -> None:
+    """`--budget-*` (every command that registers a model: demo, sft, mcp-rl train): none given is no
+    budget; a refused value names its option."""
+    from journeyman.app.options import BUDGET, App, budget_of, with_fields
+    from typer.testing import CliRunner
+
+    app, seen = App(), []
+
+    @app.command()
+    @with_fields(budget=BUDGET)
+    def run(*, budget: dict[str, Any]) -> None:
+        seen.append(budget_of(budget))
+
+    @app.command()
+    def other() -> None: ...  # two commands: `run` is named on the command line
+
+    flags = ["--budget-sampled-tokens", "100", "--budget-judge-usd", "0.5", "--budget-wall-s", "60"]
+    assert CliRunner().invoke(app, ["run", *flags]).exit_code == 0
+    assert CliRunner().invoke(app, ["run"]).exit_code == 0
+    assert seen == [jm.Budget(sampled_tokens=100, judge_usd=0.5, wall_s=60), None]
+    bad = CliRunner().invoke(app, ["run", "--budget-judge-tokens", "0"])
+    assert bad.exit_code == 2 and "--budget-judge-tokens" in bad.output

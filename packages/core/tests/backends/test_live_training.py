@@ -188,6 +188,64 @@ def _rows(history: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
     return [r for r in history if all(r.get(k) == v for k, v in match.items())]
 
 
+async def test_a_live_run_stops_at_its_budgets_and_keeps_its_episodes(
+    live: tuple[jm.TrainableModel, Any],
+) -> None:
+    """Issue 57. Past its sampled-tokens budget a live model's traffic is refused (402, naming the
+    budget) while the episodes already scored still train: the step commits. Past its trained-tokens
+    budget the next step is refused before it trains: live training stops, `error` names the budget,
+    the batch's episodes stay waiting in the journal (a higher budget and a restart train them), a
+    history row says why, and `live status` shows the spend against each limit."""
+    import openai
+
+    _, backend = live
+    capped = jm.TrainableModel(
+        name="capped",
+        project="live",
+        base_model=str(tiny_model_dir()),
+        lora=jm.LoraConfig(r=4),
+        max_tokens=8,
+        budget=jm.Budget(sampled_tokens=20),
+    )
+    await capped.register(backend)  # beside the module's model, on its base
+    pairs = QUICK.model_copy(update={"episodes_per_step": 2, "gate": jm.GateConfig(canary_share=0)})
+    try:
+        await capped.live(pairs)
+        run = backend.service(capped).live
+        scored = 0
+        with pytest.raises(openai.APIStatusError) as refused:
+            for i in range(20):  # 8 tokens at most a call: refused by the fourth
+                await _call(capped, f"s{i}", f"Task {i}.")
+                await capped.report_outcome(f"s{i}", float(i % 2))
+                scored += 1
+        assert refused.value.status_code == 402 and "budget.sampled_tokens" in str(refused.value)
+        spent = backend.service(capped).meter.spent()
+        assert 20 <= spent["sampled_tokens"] < 28 and scored >= 2
+        await wait_until(lambda: run.counts["trained"] >= scored - scored % 2)  # sampling is not training
+        assert run.counts["steps"] >= 1 and run.error is None
+
+        # past trained tokens: the next step is refused, live training stops, its episodes kept
+        await capped.decide("promote")  # the candidate judged: the next one may train
+        trained = backend.service(capped).meter.spent()["trained_tokens"]
+        done = run.counts["trained"]
+        assert trained > 0
+        await capped.live(pairs.model_copy(update={"budget": jm.Budget(trained_tokens=int(trained))}))
+        run = backend.service(capped).live
+        assert backend.service(capped).meter.budget.sampled_tokens is None  # the live budget replaced it
+        for i in range(2):
+            await _call(capped, f"t{i}", f"Task {i}.")
+            await capped.report_outcome(f"t{i}", float(i))
+        await wait_until(lambda: run.error is not None)
+        assert run.error.startswith("stopped: budget.trained_tokens: capped spent")
+        status = await capped.live_status()
+        assert status.episodes_waiting >= 2 and status.counts["trained"] == done  # kept, none trained
+        assert status.spent["trained_tokens"] == trained and status.limits == {"trained_tokens": trained}
+        (row,) = _rows(await capped.history(), split="live")[-1:]
+        assert "budget.trained_tokens" in row["stopped"]
+    finally:
+        await capped.live(jm.LiveConfig(enabled=False))
+
+
 async def test_gate_promotes_rejects_rolls_back_each_a_history_row(
     live: tuple[jm.TrainableModel, Any],
 ) -> None:

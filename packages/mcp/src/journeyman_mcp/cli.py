@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from journeyman.integrations import ADVANCED, App, Fields, RunLayout, with_fields
+from journeyman.integrations import ADVANCED, BUDGET, App, Fields, RunLayout, budget_of, with_fields
 
 from .train import McpRlSettings  # the options are its fields (the package imports it anyway)
 
@@ -40,7 +40,7 @@ Tools = Annotated[
 
 # The options are McpRlSettings' fields (and its nested configs'): help, default and type come from
 # the model. Only the server (the argument) and --tools (comma-separated) are written here.
-_OWN = {"server", "tools", "rollout", "train", "sft"}
+_OWN = {"server", "tools", "rollout", "train", "sft", "budget"}
 SETTINGS = Fields(McpRlSettings, exclude=_OWN, extra={"token": {"show_default": False}})
 EVAL_SETTINGS = replace(
     SETTINGS,
@@ -98,7 +98,7 @@ def _echo(msg: str) -> None:
 
 
 @app.command()
-@with_fields(settings=SETTINGS, rollout=ROLLOUT, train=TRAIN, sft=SFT)
+@with_fields(settings=SETTINGS, rollout=ROLLOUT, train=TRAIN, sft=SFT, budget=BUDGET)
 def train(
     ctx: typer.Context,
     server: Server,
@@ -108,6 +108,7 @@ def train(
     rollout: dict[str, Any],
     train: dict[str, Any],
     sft: dict[str, Any],
+    budget: dict[str, Any],
 ) -> None:
     """Generate scenarios, evaluate, (fine-tune on --sft-warmup and evaluate,) train with RULER + GRPO,
     evaluate again, have the judge compare the trained runs with the baseline's; print a before/after
@@ -123,6 +124,7 @@ def train(
         rollout=ROLLOUT.build(rollout),
         train=TRAIN.build(train),
         sft=SFT.build(sft),
+        budget=budget_of(budget),
     )
     report = _run(run_train, s, _echo)
     typer.echo(report.table())

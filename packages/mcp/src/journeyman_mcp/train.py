@@ -97,6 +97,11 @@ class McpRlSettings(BaseModel):
         description="settings of each training step, with MCP·RL's defaults (`_mcp_train_config`: "
         "learning_rate 1e-4, scale_rewards off, min_reward_spread 0.05)",
     )
+    budget: jm.Budget | None = Field(
+        default=None,
+        description="hard caps on the run's spend (sampled and trained tokens, the RULER judge's dollars or "
+        "tokens, wall time); the run stops with BudgetExceededError at one",
+    )
     eval_every: int = Field(
         default=0, ge=0, description="also evaluate every K steps (0: only before and after)"
     )
@@ -554,6 +559,7 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
             name=settings.model,
             project=settings.project,
             base_model=settings.base_model or jm.DEFAULT_BASE_MODEL,
+            budget=settings.budget,
         )
         echo("loading the policy...")
         await model.register(backend)
@@ -592,17 +598,18 @@ async def train(settings: McpRlSettings, echo: Echo = print) -> TrainReport:
                 batch.append(order.pop())
             t0 = time.perf_counter()
             try:
-                groups, failed = await episodes(
-                    policy,
-                    pool,
-                    info,
-                    batch,
-                    cfg,
-                    n=settings.group_size,
-                    desc=f"step {step}",
-                    max_exceptions=settings.max_exceptions,
-                    after_each=score,
-                )
+                with jm.charging(model):  # the judge's spend is the policy's run's (its budget)
+                    groups, failed = await episodes(
+                        policy,
+                        pool,
+                        info,
+                        batch,
+                        cfg,
+                        n=settings.group_size,
+                        desc=f"step {step}",
+                        max_exceptions=settings.max_exceptions,
+                        after_each=score,
+                    )
             except jm.TooManyExceptionsError as e:
                 first_error = next((x for g in e.groups for x in g.exceptions), None)
                 raise ServerUnavailableError(

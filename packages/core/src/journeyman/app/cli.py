@@ -18,8 +18,9 @@ from journeyman.app.langfuse_cli import Host as LangfuseHost
 from journeyman.app.langfuse_cli import PublicKey as LangfusePublicKey
 from journeyman.app.langfuse_cli import SecretKey as LangfuseSecretKey
 from journeyman.app.langfuse_cli import app as langfuse_app
-from journeyman.app.options import ADVANCED, App, Fields, with_fields
+from journeyman.app.options import ADVANCED, BUDGET, App, Fields, budget_of, with_fields
 from journeyman.backends.memory_plan import PRESETS, Layout, TrainingSetup
+from journeyman.data.budget import spend_text
 from journeyman.data.config import LoraConfig, ModelConfig, SFTConfig, TrainConfig, TrainerConfig
 from journeyman.data.live_types import LiveConfig, LiveStatus
 from journeyman.data.paths import RunLayout, RunRoot
@@ -110,7 +111,7 @@ def chat(
 @app.command(
     renamed={**_RENAMED_MODEL, "--world-size": "--trainer-ranks", "--prompts-per-step": "--groups-per-step"}
 )
-@with_fields(model=DEMO_MODEL, train=DEMO_TRAIN, trainer=TRAINER)
+@with_fields(model=DEMO_MODEL, train=DEMO_TRAIN, trainer=TRAINER, budget=BUDGET)
 def demo(
     steps: Annotated[int, typer.Option(help="training steps (1 or more)")] = 10,
     groups_per_step: Annotated[int, typer.Option(help="scenarios per step, one group each")] = 8,
@@ -127,11 +128,14 @@ def demo(
     model: dict[str, Any],
     train: dict[str, Any],
     trainer: dict[str, Any],
+    budget: dict[str, Any],
 ) -> None:
     """Train the embedded model on the CPU for a few minutes on a built-in task, and show that it learned."""
     name = DEMO_MODEL.build(model, project="journeyman-demo").name  # run_demo's project
     learning_rate = DEMO_TRAIN.build(train).learning_rate
     world_size = TRAINER.build(trainer).world_size
+    caps = budget_of(budget)
+    limits = caps.limits() if caps is not None else {}
     from tqdm.auto import tqdm
 
     from journeyman.app.demo import check_counts, run_demo
@@ -143,8 +147,11 @@ def demo(
     bar = tqdm(total=steps, desc="training", unit="step", disable=pipeline)  # the pipeline shows its own
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
+        spent = {k: v for k, v in metrics.items() if k.startswith("spend_")}
         bar.set_postfix(
-            reward=f"{metrics.get('reward', 0.0):.3f}", sec=f"{metrics.get('train_seconds', 0.0):.1f}"
+            reward=f"{metrics.get('reward', 0.0):.3f}",
+            sec=f"{metrics.get('train_seconds', 0.0):.1f}",
+            spent=spend_text(spent, limits),
         )
         bar.update(1)
 
@@ -169,6 +176,7 @@ def demo(
             world_size=world_size,
             pipeline=pipeline,
             on_start=on_start,
+            budget=caps,
         )
     )
     bar.close()
@@ -365,7 +373,7 @@ def view(
 
 
 @app.command(renamed=_RENAMED_MODEL)
-@with_fields(identity=SFT_MODEL, sft=SFT)
+@with_fields(identity=SFT_MODEL, sft=SFT, budget=BUDGET)
 def sft(
     file: Annotated[
         Path,
@@ -385,6 +393,7 @@ def sft(
     *,
     identity: dict[str, Any],
     sft: dict[str, Any],
+    budget: dict[str, Any],
 ) -> None:
     """Supervised fine-tuning of a model's LoRA adapter on trajectories from FILE: one step of its run,
     so `model.train` (RL) continues from it."""
@@ -393,6 +402,7 @@ def sft(
     # a bad setting or file is one clear line, before any model loads
     config = SFT.build(sft)
     model_config = SFT_MODEL.build(identity)
+    caps = budget_of(budget)
     name, project, base_model = model_config.name, model_config.project, model_config.base_model
     trajectories = read_trajectories(file, min_reward=min_reward)
     typer.echo(f"read {len(trajectories)} trajectories from {file}", err=True)
@@ -404,7 +414,7 @@ def sft(
             b: jm.Backend = jm.RemoteBackend(backend, token=token)
         else:
             b = jm.LocalBackend(path=path, report_to=report_to or [])
-        model = jm.TrainableModel(name=name, project=project, base_model=base_model)
+        model = jm.TrainableModel(name=name, project=project, base_model=base_model, budget=caps)
         typer.echo("loading the model...", err=True)
         await model.register(b)
         try:
@@ -631,7 +641,7 @@ live_app = App(
     help="Live training on `journeyman serve` (docs/live.md): start it, see its status, decide by hand."
 )
 app.add_typer(live_app, name="live")
-LIVE = Fields(LiveConfig, exclude=["train", "gate"], panel="Live training (LiveConfig)")
+LIVE = Fields(LiveConfig, exclude=["train", "gate", "budget"], panel="Live training (LiveConfig)")
 GATE = Fields.nested(LiveConfig, "gate", prefix="gate_", panel="The gate (GateConfig)")
 LIVE_TRAIN = Fields.nested(LiveConfig, "train", only=["learning_rate"], panel="Training")
 _MODEL = Annotated[str, typer.Argument(help="the served model's name")]
@@ -652,7 +662,7 @@ def _remote_call(server: str, token: str | None, model: str, call: Any) -> Any:
 
 
 @live_app.command("start", renamed=_RENAMED_SERVER)
-@with_fields(live=LIVE, gate=GATE, train=LIVE_TRAIN)
+@with_fields(live=LIVE, gate=GATE, train=LIVE_TRAIN, budget=BUDGET)
 def live_start(
     model: _MODEL,
     server: _SERVER = "http://127.0.0.1:7800",
@@ -661,10 +671,11 @@ def live_start(
     live: dict[str, Any],
     gate: dict[str, Any],
     train: dict[str, Any],
+    budget: dict[str, Any],
 ) -> None:
     """Start (or reconfigure) live training of a served model: scored episodes train candidates in the
-    background, and the gate decides which serve."""
-    config = LIVE.build(live, gate=GATE.build(gate), train=LIVE_TRAIN.build(train))
+    background, and the gate decides which serve; `--budget-*` caps what the run spends from now on."""
+    config = LIVE.build(live, gate=GATE.build(gate), train=LIVE_TRAIN.build(train), budget=budget_of(budget))
     status = _remote_call(server, token, model, lambda b, m: b.live(m, config))
     typer.echo(_status_text(status))
 
@@ -775,6 +786,7 @@ def _status_text(s: LiveStatus) -> str:
         lines.append(f"  {d.action} step {d.step} -> serving {d.served} by {d.by}: {d.reason}")
     if s.error:
         lines.append(f"last error: {s.error}")
+    lines.append(f"spent: {spend_text(s.spent, s.limits)}")
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ from journeyman.backends.local import LocalBackend
 from journeyman.client.model import TrainableModel
 from journeyman.client.pipeline_trainer import PipelineConfig, PipelineTrainer
 from journeyman.client.protocol import Backend
+from journeyman.data.budget import Budget
 from journeyman.data.config import DEFAULT_BASE_MODEL, TrainConfig, TrainerConfig
 from journeyman.data.paths import RunLayout
 from journeyman.data.types import Trajectory, TrajectoryGroup
@@ -85,6 +86,7 @@ async def run_demo(
     world_size: int = 1,
     pipeline: bool = False,
     on_start: Callable[[int], None] | None = None,
+    budget: Budget | None = None,
 ) -> DemoResult:
     """Evaluate, train, evaluate again; on `backend` (e.g. a `RemoteBackend`) when given, else on a
     `LocalBackend` at `path` with `engine` and `world_size` trainer ranks that is closed at the end.
@@ -97,7 +99,9 @@ async def run_demo(
     require_backend("journeyman demo (its reward plot)", ("matplotlib",))  # before, not after, training
     own = backend is None
     backend = backend or LocalBackend(path=path, engine=engine, trainer=TrainerConfig(world_size=world_size))
-    model = TrainableModel(name=name, project=project, base_model=base_model or DEFAULT_BASE_MODEL)
+    model = TrainableModel(
+        name=name, project=project, base_model=base_model or DEFAULT_BASE_MODEL, budget=budget
+    )
     await model.register(backend)
     try:
         client = model.openai_client()

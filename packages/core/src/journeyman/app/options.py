@@ -42,9 +42,10 @@ from pydantic_core import PydanticUndefined
 from typer.core import TyperCommand, TyperGroup
 from typer.exceptions import TyperException
 
+from journeyman.data.budget import Budget
 from journeyman.errors import InvalidFieldError, JourneymanError
 
-__all__ = ["ADVANCED", "App", "Fields", "with_fields"]
+__all__ = ["ADVANCED", "BUDGET", "App", "Fields", "budget_of", "with_fields"]
 
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R")
@@ -412,6 +413,17 @@ class _Group(TyperGroup):
                     typer.echo(f"(`{prog} --debug ...` shows the traceback)", err=True)
             sys.exit(code)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+BUDGET = Fields(Budget, prefix="budget_", panel="Budget (hard caps on the run's spend; data/budget.py)")
+"""`--budget-sampled-tokens`, `--budget-trained-tokens`, `--budget-judge-usd`, `--budget-judge-tokens`,
+`--budget-wall-s`, `--budget-warn-at`: every command that registers a model takes them."""
+
+
+def budget_of(values: Mapping[str, Any]) -> Budget | None:
+    """The `BUDGET` options' values as a `ModelConfig.budget`: None when no limit is given."""
+    budget = BUDGET.build(values)
+    return budget if budget.limits() else None
 
 
 class App(typer.Typer):

@@ -49,7 +49,7 @@ from journeyman.backends.store import write_atomic
 from journeyman.backends.train_step import GRPOUpdate, check_groups, run_step
 from journeyman.client.protocol import Evaluate
 from journeyman.client.wire import body_error
-from journeyman.data.budget import BudgetExceededError
+from journeyman.data.budget import BudgetExceededError, Meter
 from journeyman.data.config import TrainConfig, TrainResult
 from journeyman.data.journal import GroupJournal
 from journeyman.data.live_types import (
@@ -100,6 +100,8 @@ class LiveServices:
     latest_step: Callable[[], int]
     record: Callable[[dict[str, Any]], None]
     """Append a history row."""
+    meter: Meter | None = None
+    """The run's spend against its budget (`live status` shows it)."""
 
 
 @dataclass
@@ -615,6 +617,7 @@ class LiveRun:
     def status(self) -> LiveStatus:
         mine, theirs = self.canary() if self.candidate is not None else ([], [])
         counts = {**self.counts, "expired": self.s.captures.dropped}
+        meter = self.s.meter
         return LiveStatus(
             enabled=self.config.enabled,
             promoted=self.promoted,
@@ -632,6 +635,8 @@ class LiveRun:
             decisions=self.decisions[-KEPT_DECISIONS:],
             busy=self.busy is not None and not self.busy.done(),
             error=self.error,
+            spent=meter.spent() if meter is not None else {},
+            limits=meter.budget.limits() if meter is not None else {},
         )
 
 
@@ -671,6 +676,8 @@ async def start_live(
     old = s.live
     if old is not None:
         await live_run(s).close()  # a step under way finishes first
+    if config.budget is not None and s.meter is not None:
+        s.meter.configure(config.budget)  # what was spent stays counted
 
     async def train_from(
         groups: list[TrajectoryGroup], config: TrainConfig, key: str, parent: int
@@ -698,6 +705,7 @@ async def start_live(
         checkpoint_dir=s.store.checkpoint_dir,
         latest_step=s.store.latest_step,
         record=s.record,
+        meter=s.meter,
     )
     run = LiveRun(s.store.root, services, config, evaluate)
     if isinstance(old, LiveRun):  # reconfigured: the counts go on (outcomes are counted from the journal)

@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from journeyman.errors import JourneymanError
 
-__all__ = ["SAVE_EVERY_S", "Budget", "BudgetExceededError", "Meter", "Spend"]
+__all__ = ["SAVE_EVERY_S", "Budget", "BudgetExceededError", "Meter", "Spend", "spend_text"]
 
 log = logging.getLogger("journeyman.budget")
 
@@ -66,6 +67,10 @@ class Budget(BaseModel):
         default=0.8, gt=0, le=1, description="the share of a limit past which a warning is logged, once"
     )
 
+    def limits(self) -> dict[str, float]:
+        """{budget field: limit} for each limit set."""
+        return {name: float(limit) for name in _SPENDS if (limit := getattr(self, name)) is not None}
+
 
 class Spend(BaseModel):
     """What a run has spent (`spend.json`)."""
@@ -75,12 +80,40 @@ class Spend(BaseModel):
     judge_usd: float = 0.0
     judge_tokens: int = 0
     started_at: float = Field(default_factory=time.time, description="when the budget began (epoch seconds)")
+    saved_at: float | None = Field(default=None, description="when this was written (epoch seconds)")
+    limits: dict[str, float] = Field(
+        default_factory=dict,
+        description="the budget's limits when this was written (for its readers: the viewer)",
+    )
+
+    def shown(self) -> str:
+        """What the file says, for people (`spend_text`); wall time up to when it was written."""
+        spent = {name: self.of(name, self.saved_at) for name in _SPENDS}
+        return spend_text(spent, self.limits)
 
     def of(self, name: str, now: float | None = None) -> float:
         """The spend a budget field counts against."""
         if name == "wall_s":
             return (time.time() if now is None else now) - self.started_at
         return float(getattr(self, name))
+
+
+def spend_text(spent: Mapping[str, float], limits: Mapping[str, float] | None = None) -> str:
+    """Spend against each limit, for people (a progress bar, `journeyman live status`, the viewer):
+    `sampled_tokens 1200/5000 (24%), judge_usd 0.031`. A spend is shown when it has a limit or is not
+    zero; `spent` may be `Meter.spent()` or a history row's `train/spend_*` keys."""
+    limits = limits or {}
+    values = {k.removeprefix("train/").removeprefix("spend_"): v for k, v in spent.items()}
+    parts = []
+    for name in _SPENDS:
+        value, limit = values.get(name), limits.get(name)
+        if value is None or (not value and limit is None):
+            continue
+        shown = f"{value:.4g}" if name == "judge_usd" else f"{value:.0f}"
+        if limit is not None:
+            shown += f"/{limit:g} ({100 * value / limit:.0f}%)"
+        parts.append(f"{name} {shown}")
+    return ", ".join(parts) or "nothing yet"
 
 
 class BudgetExceededError(JourneymanError):
@@ -173,6 +206,7 @@ class Meter:
         return out
 
     def _save(self) -> None:
+        self.spend.saved_at, self.spend.limits = time.time(), self.budget.limits()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.spend.model_dump()))

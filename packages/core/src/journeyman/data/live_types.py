@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from journeyman.data.budget import Budget
 from journeyman.data.config import TrainConfig, check_name
 from journeyman.errors import InvalidFieldError
 
@@ -116,6 +117,11 @@ class LiveConfig(BaseModel):
     gate: GateConfig = Field(default_factory=GateConfig)
     enabled: bool = Field(
         default=True, description="False stops training and the gate (outcomes are still taken)"
+    )
+    budget: Budget | None = Field(
+        default=None,
+        description="the model's budget from now on (as if registered again with it; spend stays counted): "
+        "`journeyman live start --budget-*`; None leaves the registered one",
     )
 
     @model_validator(mode="after")
@@ -249,6 +255,12 @@ class LiveStatus(BaseModel):
     decisions: list[Decision] = Field(description="the latest decisions, newest last")
     busy: bool = Field(default=False, description="a step trains, or a candidate is being judged, now")
     error: str | None = Field(default=None, description="the live loop's last error, if any")
+    spent: dict[str, float] = Field(
+        default_factory=dict, description="what the run has spent (`Meter.spent`: tokens, judge, wall time)"
+    )
+    limits: dict[str, float] = Field(
+        default_factory=dict, description="the model's budget limits that are set"
+    )
 
 
 __all__ = [

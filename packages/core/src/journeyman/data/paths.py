@@ -109,6 +109,11 @@ class RunLayout:
         return self.root / "state.json"
 
     @property
+    def spend(self) -> Path:
+        """What the run spent against its budget (`data/budget.py`'s Meter writes it)."""
+        return self.root / "spend.json"
+
+    @property
     def wandb(self) -> Path:
         return self.root / "wandb"
 

@@ -15,7 +15,8 @@ What is here:
 - the "local | URL | LiteLLM id" model spec and its clients, for judges, generators and baselines
   (`resolve_llm`, `complete_json`, `chat_client`, ...);
 - where a run's files live (`RunLayout`), and the command lines' parts: options derived from a
-  pydantic model's fields (`Fields`, `with_fields`, `ADVANCED`) and the app (`App`: one-line
+  pydantic model's fields (`Fields`, `with_fields`, `ADVANCED`; `BUDGET` and `budget_of`, the
+  budget's `--budget-*` options) and the app (`App`: one-line
   errors, `--debug`, whole option names in help); loaded on first use;
 - loaded on first use, so that `import journeyman.integrations` stays light (no torch, fastapi or
   matplotlib): `plot_history` (matplotlib), the Langfuse export (`journeyman[langfuse]`) and the
@@ -45,7 +46,7 @@ from journeyman.rollout.histories import CallHistory
 
 if TYPE_CHECKING:
     from journeyman.app import tasks
-    from journeyman.app.options import ADVANCED, App, Fields, with_fields
+    from journeyman.app.options import ADVANCED, BUDGET, App, Fields, budget_of, with_fields
     from journeyman.app.plot import plot_history
     from journeyman.integrations.langfuse import TRACE_ID_KEY, export_to_langfuse, fetch_review_set
 
@@ -54,6 +55,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "plot_history": ("journeyman.app.plot", "plot_history"),
     "tasks": ("journeyman.app.tasks", None),
     "ADVANCED": ("journeyman.app.options", "ADVANCED"),
+    "BUDGET": ("journeyman.app.options", "BUDGET"),
+    "budget_of": ("journeyman.app.options", "budget_of"),
     "App": ("journeyman.app.options", "App"),
     "Fields": ("journeyman.app.options", "Fields"),
     "with_fields": ("journeyman.app.options", "with_fields"),
@@ -73,6 +76,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ADVANCED",
+    "BUDGET",
     "CLIENT_TIMEOUT_S",
     "DEFAULT_TIMEOUT_S",
     "LLM",
@@ -89,6 +93,7 @@ __all__ = [
     "OnError",
     "RunLayout",
     "assistant_key",
+    "budget_of",
     "chat_client",
     "check_on_error",
     "complete_json",

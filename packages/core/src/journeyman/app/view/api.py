@@ -70,6 +70,9 @@ class RunSummary(BaseModel):
     splits: list[str]
     history_rows: int
     latest: dict[str, float] = Field(description="the newest value of each reward-like metric")
+    spend: str = Field(
+        default="", description="what the run spent against its budget (spend.json), for people"
+    )
     version: str
 
 
@@ -436,6 +439,7 @@ def run_summary(run: Run) -> RunSummary:
         splits=run.splits(),
         history_rows=len(run.history()),
         latest=_latest(run),
+        spend=run.spend(),
         version=run.version(),
     )
 

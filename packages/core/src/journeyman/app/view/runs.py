@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from journeyman.data.budget import Spend
 from journeyman.data.paths import HISTORY, RunLayout
 from journeyman.errors import InvalidFieldError
 
@@ -93,6 +94,14 @@ class Run:
         except (OSError, ValueError, RecursionError):
             return {}
         return raw if isinstance(raw, dict) else {}
+
+    def spend(self) -> str:
+        """What the run spent against its budget (`spend.json`, `data/budget.py`), for people; "" when
+        it has no such file (or a damaged one)."""
+        try:
+            return Spend.model_validate_json(self.layout.spend.read_bytes()).shown()
+        except (OSError, ValueError):
+            return ""
 
     def version(self) -> str:
         """Changes whenever the history, the state or a trajectories file changes: what a page polls."""

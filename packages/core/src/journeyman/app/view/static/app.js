@@ -176,6 +176,7 @@ async function pageRun(route) {
   return h("div", {},
     h("h1", {}, `${run.project}/${run.name}`, " ", h("span", { class: "muted" }, `step ${fmt(run.step)} · ${run.base_model || ""}`)),
     h("div", { class: "muted" }, run.path),
+    run.spend ? h("div", { id: "spend" }, h("b", {}, "spent: "), run.spend) : null,
     h("h2", {}, "Curves ", h("span", { class: "muted" }, "(drag to zoom, double-click to reset) "), picker),
     history.length ? charts : h("p", { class: "muted" }, "history.jsonl has no rows yet."),
     h("h2", {}, "Steps"), tabs,
