@@ -3,8 +3,8 @@ success before any RL step, and does RL keep going from there?
 
     uv run python examples/sft_warmup_todo.py --successes 64 --rl-steps 4
 
-1. Collect: the base model runs the training scenarios (sampled, temperature 0.7) until
-   `--successes` runs reached the checked end state; those are written to
+1. Collect: the base model runs the training scenarios (sampled, temperature 0.7, each run seeded
+   from `--seed`: the same runs every time) until `--successes` runs reached the checked end state; those are written to
    `<run>/sft_successes.jsonl` (exact token records: the model's own successes, i.e. rejection
    sampling; a stronger model's or reviewed runs would do the same job).
 2. `mcp-rl train --sft-warmup <that file>`: held-out eval at step 0 (greedy, 24 scenarios), SFT
@@ -43,15 +43,16 @@ async def collect(settings: McpRlSettings, want: int, out: Path, max_rounds: int
         kept: list[jm.Trajectory] = []
         tried, t0 = 0, time.perf_counter()
 
-        async def one(s: object) -> jm.Trajectory:
+        async def one(s: object, seed: int) -> jm.Trajectory:
             async with pool.lease() as conn:
-                return await rollout(model, client, conn, info, s, settings.rollout)  # type: ignore[arg-type]
+                return await rollout(model, client, conn, info, s, settings.rollout, seed=seed)  # type: ignore[arg-type]
 
         # about four runs per success wanted (base success is ~0.25), in engine-sized batches of 8 to 16
         per_round = min(16, max(8, 4 * want), len(sset.train))
         for _ in range(max_rounds):
             batch = rng.sample(sset.train, per_round)
-            runs = await asyncio.gather(*(one(s) for s in batch), return_exceptions=True)
+            seeds = [rng.randrange(1 << 31) for _ in batch]
+            runs = await asyncio.gather(*map(one, batch, seeds), return_exceptions=True)
             tried += len(batch)
             kept += [t for t in runs if isinstance(t, jm.Trajectory) and t.metrics.get("success")]
             print(f"collect: {len(kept)} successes of {tried} runs ({time.perf_counter() - t0:.0f}s)")
@@ -82,6 +83,9 @@ def main() -> None:
         default=1,
         help="sampled held-out episodes per scenario beside the greedy one (0: greedy only)",
     )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds the collection's scenarios and samples (reproducible)"
+    )
     p.add_argument("--path", type=Path, default=Path(".journeyman"))
     args = p.parse_args()
     scenarios = HERE / "mcp_todo_scenarios.json"
@@ -105,6 +109,7 @@ def main() -> None:
         steps=args.rl_steps,
         eval_samples=args.eval_samples,
         rollout=rollout_cfg,
+        seed=args.seed,
         sft=jm.SFTConfig(epochs=args.sft_epochs, learning_rate=args.sft_learning_rate, batch_size=8),
     )
     data = settings.out_dir / "sft_successes.jsonl"
