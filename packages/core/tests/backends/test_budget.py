@@ -153,6 +153,7 @@ async def test_the_judge_is_charged_to_the_model_it_scores_for_and_stops_at_its_
             assert (e.value.budget, e.value.limit, e.value.spent) == ("judge_tokens", 3, 4)
             assert len(judge.requests) == 2  # the third call was never made
             assert (tmp_path / "budget/models/capped/spend.json").read_text().count('"judge_tokens": 4')
+            await _charge_over_http(backend, tmp_path)
 
             async def acompletion(**kwargs: Any) -> Any:  # a paid LiteLLM judge, answering by the rule
                 content = await judge.answer(kwargs)
@@ -214,3 +215,29 @@ def test_the_budget_options_build_the_model_budget() -> None:
     assert seen == [jm.Budget(sampled_tokens=100, judge_usd=0.5, wall_s=60), None]
     bad = CliRunner().invoke(app, ["run", "--budget-judge-tokens", "0"])
     assert bad.exit_code == 2 and "--budget-judge-tokens" in bad.output
+
+
+async def _charge_over_http(backend: jm.LocalBackend, tmp_path: Path) -> None:
+    """`POST .../charge` (what a RemoteBackend sends): a train token's charge is added and answered with
+    the spend; a check past the limit is a 402 naming the budget; a sample token may not charge."""
+    import httpx
+    from journeyman.backends.server import create_app
+    from journeyman.client.wire import PREFIX
+    from journeyman.serving.api_tokens import TokenBook
+    from journeyman.serving.guard import Guard
+
+    book = TokenBook(tmp_path / "tokens.json")
+    trainer, viewer = book.add("trainer", "train"), book.add("viewer", "sample")
+    app = Guard(create_app(backend, book), book, 2**20)
+    url = f"{PREFIX}/models/capped/charge"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        r = await http.post(
+            url, json={"judge_tokens": 1, "check": False}, headers={"authorization": f"Bearer {trainer}"}
+        )
+        assert r.status_code == 200 and r.json()["judge_tokens"] == 5, r.text
+        r = await http.post(url, json={}, headers={"authorization": f"Bearer {trainer}"})
+        assert r.status_code == 402 and r.json()["error"]["param"] == "budget.judge_tokens", r.text
+        r = await http.post(url, json={"judge_usd": -1}, headers={"authorization": f"Bearer {trainer}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "judge_usd", r.text
+        r = await http.post(url, json={"judge_tokens": 1}, headers={"authorization": f"Bearer {viewer}"})
+        assert r.status_code == 403, r.text
