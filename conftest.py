@@ -45,7 +45,7 @@ FILE_SECONDS = {
     "packages/core/tests/environments/test_environments.py": 64,
     "packages/agents-sdk/tests/test_agents_sdk.py": 91,
     "tests/test_typescript.py": 140,
-    "packages/core/tests/backends/test_server.py": 68,
+    "packages/core/tests/backends/test_server.py": 83,
     "tests/test_soak.py": 89,
     "packages/langgraph/tests/test_langgraph.py": 49,
     "packages/core/tests/client/test_pipeline_trainer.py": 66,
@@ -70,13 +70,13 @@ FILE_SECONDS = {
     "packages/core/tests/engine/test_engine_faults.py": 21,
     "packages/mcp/tests/test_generated_checks.py": 21,
     "packages/core/tests/training/test_sharding.py": 19,
-    "packages/core/tests/engine/test_vllm_handoff.py": 34,
+    "packages/core/tests/engine/test_vllm_handoff.py": 38,
     "packages/core/tests/app/test_viewer.py": 23,
     "packages/core/tests/serving/test_messages_api.py": 16,
     "packages/core/tests/rewards/test_ruler.py": 14,
     "packages/core/tests/training/test_packing.py": 13,
     "packages/core/tests/backends/test_schema_fuzz.py": 37,
-    "packages/core/tests/backends/test_many_models.py": 60,  # alone: 2026-11-29 (mixed batches)
+    "packages/core/tests/backends/test_many_models.py": 70,  # alone: 2026-11-29 (mixed batches, pipelines)
     "packages/core/tests/backends/test_budget.py": 60,  # under load: 2026-11-29
     "packages/core/tests/backends/test_tenants.py": 73,  # alone, -n 0, wall: 2026-11-29
     "packages/core/tests/serving/test_model_limits.py": 19,  # alone, -n 0 (32 s wall with collection): 2026-11-29

@@ -4,6 +4,8 @@ weights, each keeps its own adapter, and training one leaves the others' answers
 from __future__ import annotations
 
 import asyncio
+import itertools
+import random
 import shutil
 import threading
 import time
@@ -15,6 +17,7 @@ from typing import Any
 import journeyman as jm
 import pytest
 import torch
+from _support import tiny_model_dir
 
 pytestmark = pytest.mark.integration
 
@@ -157,6 +160,49 @@ async def test_a_models_training_step_holds_back_its_own_rows_alone(pair: Pair) 
         release.set()
         await asyncio.to_thread(holder.join, 30)
     assert len(await asyncio.wait_for(a_waits, 60)) == len(PROMPTS)
+
+
+async def _one_turn(model: jm.TrainableModel, prompt: str) -> jm.Trajectory:
+    ask: list[Any] = [{"role": "user", "content": prompt}]
+    done = await model.openai_client().chat.completions.create(
+        model=model.name, messages=ask, max_tokens=4, temperature=1.0
+    )
+    return jm.Trajectory(messages_and_choices=[*ask, done.choices[0]], reward=random.random())
+
+
+async def test_two_pipeline_trainers_on_one_backend_train_at_once_in_mixed_batches(tmp_path: Path) -> None:
+    """Two models on one base, each driven by its own PipelineTrainer at the same time: both make
+    their steps from their own rollouts, and the engine they share decoded rows of both in the same
+    steps. (The tiny random base: what is tested is the sharing, not what is learned.)"""
+    backend = jm.LocalBackend(path=tmp_path / "runs")
+    try:
+        a, b = (
+            jm.TrainableModel(
+                name=name,
+                project="pipes",
+                base_model=str(tiny_model_dir()),
+                lora=jm.LoraConfig(r=4),
+                max_tokens=4,
+            )
+            for name in ("pa", "pb")
+        )
+        await asyncio.gather(a.register(backend), b.register(backend))
+        runner = backend.service(a).engine.runner  # pyright: ignore[reportAttributeAccessIssue]
+        assert runner is backend.service(b).engine.runner  # pyright: ignore[reportAttributeAccessIssue]
+
+        def trainer(model: jm.TrainableModel) -> jm.PipelineTrainer[str]:
+            config = jm.PipelineConfig(
+                group_size=2, groups_per_step=1, journal=tmp_path / model.name, progress=False
+            )
+            return jm.PipelineTrainer(model, _one_turn, itertools.cycle(PROMPTS), config)
+
+        results = await asyncio.gather(trainer(a).train(2), trainer(b).train(2))
+        for result, model in zip(results, (a, b), strict=True):
+            assert result.steps == 2 and result.skipped_steps == 0 and result.exceptions == 0
+            assert result.final_step == 2 == await model.get_step() and result.trained_groups == 2
+        assert runner.mixed_steps > 0
+    finally:
+        backend.close()
 
 
 def test_the_models_weight_changes_take_turns_first_asked_first_served() -> None:

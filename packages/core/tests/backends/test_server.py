@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import journeyman as jm
@@ -182,6 +185,92 @@ async def test_an_idempotency_key_is_scoped_to_the_model_and_operation(
         assert await kc.get_step() == 1 and not list(kc.run_dir.glob("trajectories/train/*failed*"))
     finally:
         local.close()
+
+
+async def _greedy(
+    model: jm.TrainableModel, prompts: tuple[str, ...] = ("Name a color.", "Count."), max_tokens: int = 6
+) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy completion through the server: its token ids and logprobs."""
+    out = []
+    for prompt in prompts:
+        done = await model.openai_client().chat.completions.create(
+            model=model.name,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=0.0,
+        )
+        record = jm.record_of(done.choices[0])
+        assert record is not None
+        out.append((record.token_ids, record.logprobs))
+    return out
+
+
+def _engine_counts(server: ServerProcess, key: str) -> dict[str, float]:
+    """`journeyman_engine_<key>` by model, as the server's /metrics shows it."""
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    text = httpx.get(f"{server.url}/metrics", headers=auth, timeout=30).text
+    series = re.compile(rf'^journeyman_engine_{key}(?:_total)?{{model="([^"]+)"}} (\S+)$', re.MULTILINE)
+    return {model: float(value) for model, value in series.findall(text)}
+
+
+async def _probe_until(
+    model: jm.TrainableModel, done: asyncio.Future[Any], loops: int = 4
+) -> list[tuple[float, float]]:
+    """One-token requests to `model`, `loops` at a time, until `done`: each one's (asked, answered)
+    wall-clock times."""
+    out: list[tuple[float, float]] = []
+
+    async def loop() -> None:
+        while not done.done():
+            asked = time.time()
+            await _greedy(model, ("Count.",), max_tokens=1)
+            out.append((asked, time.time()))
+
+    await asyncio.gather(*(loop() for _ in range(loops)))
+    return out
+
+
+async def test_two_models_on_one_base_share_the_servers_engine_and_train_apart(server: ServerProcess) -> None:
+    """Issue 55 through `journeyman serve`: two models registered at once on one base share one
+    engine (their rows decode in the same steps, its counts on /metrics are one engine's), a row
+    of each answers as it does alone, one model's step runs while the other's requests are served,
+    and neither's step moves the other's greedy answers by a token or a logprob."""
+    backend = jm.RemoteBackend(server.url, token=TOKEN, progress=False)
+    a, b = (
+        jm.TrainableModel(
+            name=name, project="pair", base_model=str(tiny_model_dir()), lora=jm.LoraConfig(r=4), max_tokens=6
+        )
+        for name in ("pa", "pb")
+    )
+    await asyncio.gather(a.register(backend), b.register(backend))
+    a_alone, b_alone = await _greedy(a), await _greedy(b)
+    mixed = _engine_counts(server, "decode_mixed_steps")
+    together = await asyncio.gather(*(_greedy(m) for m in (a, b, a, b)))
+    for got, alone in zip(together, [a_alone, b_alone, a_alone, b_alone], strict=True):
+        for (ids, lps), (ids_alone, lps_alone) in zip(got, alone, strict=True):
+            assert ids == ids_alone  # the logprobs within float rounding: batched with other rows
+            assert max(abs(x - y) for x, y in zip(lps, lps_alone, strict=True)) < 1e-4
+    now = _engine_counts(server, "decode_mixed_steps")
+    assert now["pa"] > mixed["pa"] and now["pa"] == now["pb"]  # one engine, rows of both in its steps
+
+    for trains, other, other_before in ((a, b, b_alone), (b, a, None)):
+        if other_before is None:
+            other_before = await _greedy(other)
+        groups = await task_groups(trains, groups=8, size=8, max_tokens=16)  # a step of a few seconds
+        config = jm.TrainConfig(learning_rate=1e-2, micro_batch_tokens=64)
+        step = asyncio.create_task(trains.train(groups, config=config))
+        probes = await _probe_until(other, step)
+        result = await step
+        assert result.step == 1 and not result.skipped and await other.get_step() == (1 if other is a else 0)
+        # the other model's requests, asked and answered while the step ran on the server
+        (row,) = [h for h in await trains.history() if h["step"] == 0 and h["split"] == "train"]
+        end = float(row["recorded_at"])
+        start = end - float(row["train/train_seconds"])
+        inside = [(x, y) for x, y in probes if start <= x and y <= end]
+        print(f"{other.name}: {len(inside)} of {len(probes)} requests inside {trains.name}'s step")
+        assert inside, (start, end, probes)
+        assert await _greedy(other) == other_before  # token ids and logprobs, bit for bit
+    assert await _greedy(a) != a_alone  # the step did change the trained model's answers
 
 
 def _train_body(groups: list[jm.TrajectoryGroup], key: str) -> bytes:
