@@ -30,14 +30,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -754,6 +756,7 @@ class ServerProcess:
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.args = list(args)
         self.proc: subprocess.Popen[str] | None = None
+        self.log: deque[str] = deque(maxlen=200)  # the server's latest stderr lines
 
     def start(self, timeout_s: float = 300.0) -> ServerProcess:
         env = {**os.environ, "JOURNEYMAN_TOKEN": self.token, "HF_HUB_OFFLINE": "1"}
@@ -776,11 +779,17 @@ class ServerProcess:
             line = self.proc.stderr.readline()
             lines.append(line)
             if line.strip() == "ready":
+                # read on: a full pipe would block the server at its next log line
+                threading.Thread(target=self._drain, args=(self.proc.stderr,), daemon=True).start()
                 return self
             if not line and self.proc.poll() is not None:
                 break
         self.kill()
         raise BackendUnavailableError("journeyman serve did not start:\n" + "".join(lines[-30:]))
+
+    def _drain(self, stderr: IO[str]) -> None:
+        for line in stderr:
+            self.log.append(line)
 
     def terminate(self, timeout_s: float = 600.0) -> int:
         """SIGTERM, as a process manager stops it (the server drains first); its exit status."""
