@@ -183,6 +183,22 @@ class NoTrainableTokensError(InvalidFieldError):
     """A trajectory has no sampled assistant tokens to train on."""
 
 
+class TeacherError(JourneymanError):
+    """A distillation teacher could not score a step's tokens; the step's groups are kept."""
+
+
+class TeacherUnreachableError(TeacherError, ConnectionError):
+    """The teacher's server did not answer (down, wrong URL, timed out) or answered with an error."""
+
+
+class TeacherTokenizerError(TeacherError, ValueError):
+    """The teacher's tokenizer is not the student's: its logprobs would score other tokens."""
+
+
+class TeacherLogprobsError(TeacherError, InvalidFieldError):
+    """A sampled token has no finite teacher logprob (missing from the answer, or NaN/inf)."""
+
+
 class BackendUnavailableError(JourneymanError, ConnectionError):
     """A remote backend did not answer within the client's retries (down, restarting, or unreachable)."""
 

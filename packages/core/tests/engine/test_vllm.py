@@ -462,6 +462,36 @@ async def test_a_stream_through_vllm_sends_tokens_as_they_come(vllm_served) -> N
     assert record["logprobs"] == pytest.approx(jm.record_of(whole.choices[0]).logprobs, abs=1e-4)
 
 
+async def test_a_teacher_served_by_vllm_scores_sampled_tokens_as_the_trainer_does(
+    vllm_served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM as a distillation teacher: its served step (a LoRA) scores the ids the student sampled by
+    `/v1/completions` (echo, max_tokens=0, logprobs=0), in one batched request; the tokenizer probe
+    passes; each teacher logprob is the trainer's at that step to 1e-3 (fp32)."""
+    from journeyman.backends.teachers import score_for_step
+
+    model, backend = vllm_served
+    s = backend.service(model)
+    engine = s.engine
+    assert isinstance(engine, VLLMEngine)
+    monkeypatch.setenv("JM_TEST_TEACHER_KEY", engine.server.api_key)
+    teacher = jm.Teacher(
+        base_url=f"{engine.server.base_url}/v1", model=engine.served_model, api_key_env="JM_TEST_TEACHER_KEY"
+    )
+    groups = await _rollout_groups(model, "train", prompts=2, group_size=2, seed=3)
+    counts = await score_for_step(s, groups, teacher)
+    assert counts["teacher_sequences"] == 4 and counts["teacher_tokens"] > 0
+    gap = 0.0
+    for rec in (r for g in groups for t in g.trajectories for r in t.records()):
+        assert rec.teacher_logprobs is not None
+        gap = max(
+            gap,
+            max_diff(s.policy.sampled_logprobs(rec.prompt_token_ids, rec.token_ids), rec.teacher_logprobs),
+        )
+    print(f"\nvLLM teacher ({engine.served_model}): |teacher - trainer| logprob {gap:.1e}")
+    assert gap < 1e-3, gap
+
+
 async def test_live_training_samples_its_candidate_beside_the_promoted_step_on_vllm(vllm_served) -> None:
     """The canary on vLLM: a live candidate is a second LoRA in the same server; a share of episodes
     (by id) is sampled by it, stamped with its step, token-exact against the trainer at that step;

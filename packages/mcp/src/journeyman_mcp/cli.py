@@ -54,7 +54,9 @@ SCENARIO_SETTINGS = Fields(
     McpRlSettings, only=["generator", "generator_model", "num_scenarios", "num_eval", "base_model", "seed"]
 )
 ROLLOUT = Fields.nested(McpRlSettings, "rollout", panel="Episodes (RolloutConfig)")
-TRAIN = Fields.nested(McpRlSettings, "train", panel="Training step (TrainConfig)", advanced=ADVANCED)
+TRAIN = Fields.nested(  # distillation's teacher is set from Python (McpRlSettings.train.distill)
+    McpRlSettings, "train", exclude={"distill"}, panel="Training step (TrainConfig)", advanced=ADVANCED
+)
 SFT = Fields.nested(
     McpRlSettings, "sft", prefix="sft_", panel="SFT warm-up (SFTConfig; with --sft-warmup)", advanced=ADVANCED
 )

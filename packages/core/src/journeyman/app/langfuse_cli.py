@@ -35,7 +35,8 @@ QUERY = Fields(
     extra={"since": {"formats": _DATE_FORMATS}, "until": {"formats": _DATE_FORMATS}},
 )
 # `train --help` shows the step's main settings; --help-all the optimizer's and the memory's knobs
-TRAIN = Fields(TrainConfig, panel="Training step (TrainConfig)", advanced=ADVANCED)
+# (distillation's teacher is set from Python: `TrainConfig(distill=DistillConfig(teacher=...))`)
+TRAIN = Fields(TrainConfig, exclude={"distill"}, panel="Training step (TrainConfig)", advanced=ADVANCED)
 # the model trained; `--model` names it (ReviewQuery's --trace-name filters traces)
 MODEL = Fields(
     ModelConfig,

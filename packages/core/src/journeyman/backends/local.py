@@ -161,6 +161,7 @@ class LocalBackend:
                     assemble, self.settings, model, self.run_dir(model), self.api_key, self._bases
                 )
                 self._services[model.name] = served
+                served.peers = self.service  # a distillation teacher may be another model here
                 await resume_live(served)
                 return
             for field in ("project", "base_model", "lora", "chat_format"):
@@ -318,7 +319,6 @@ class LocalBackend:
     live_status = LIVE_STATUS.implemented_by(_live_status)
     decide = DECIDE.implemented_by(_decide)
 
-    # -- the run directory -------------------------------------------------------------------------
     # -- spend made outside the backend (`MeteredBackend`) -----------------------------------------
 
     async def _charge(
@@ -341,6 +341,7 @@ class LocalBackend:
 
     charge = CHARGE.implemented_by(_charge)
 
+    # -- the run directory -------------------------------------------------------------------------
 
     async def history(self, model: ModelConfig) -> list[dict[str, Any]]:
         return self.service(model).store.history()

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from journeyman.engine.vllm_server import VLLMConfig
     from journeyman.policy.base_weights import BaseWeights
     from journeyman.policy.lora import LoraPolicy
+    from journeyman.rewards.teacher import Scorer
     from journeyman.serving.endpoint import Endpoint, ServerThread
     from journeyman.training.distributed import RankGroup
     from journeyman.training.sft import SFTTrainer
@@ -80,6 +81,9 @@ class ServedModel:
     live: Live | None = None  # live training, once `LocalBackend.live` started it (a `LiveRun`)
     last_train_row: dict[str, Any] | None = None  # the newest training step's history row (`/metrics`)
     meter: Meter | None = None  # what the run spent against its budget (`data/budget.py`)
+    # the backend's other models by name (a distillation teacher may be one), set by the backend
+    peers: Callable[[str], ServedModel] | None = None
+    teachers: dict[str, Scorer] = field(default_factory=dict)  # distillation teachers, resolved once
 
     @property
     def vocab_size(self) -> int:

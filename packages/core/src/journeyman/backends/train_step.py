@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from journeyman.backends.service import ServedModel
@@ -91,6 +91,7 @@ class GRPOUpdate:
     groups: list[TrajectoryGroup]
     config: TrainConfig
     skip_reason: str | None = None  # set by `run` when nothing was learned
+    teacher_metrics: dict[str, float] = field(default_factory=dict)  # `distill`: what scoring took
 
     @classmethod
     def prepare(
@@ -114,6 +115,7 @@ class GRPOUpdate:
         # on the engine's thread, not a pool thread (`Engine.call`: one OpenMP team per process)
         updated, metrics = await s.engine.call(update)
         metrics.update(staleness_metrics(self.groups, step))
+        metrics.update(self.teacher_metrics)
         if not updated:
             self.skip_reason = no_signal_reason(self.groups, metrics, self.config)
             if self.config.on_no_signal == "error":
@@ -222,6 +224,12 @@ async def run_step(
     it and its checkpoint (the latest + 1) is a candidate: written, not served."""
     if idempotency_key is not None:
         check_name("idempotency_key", idempotency_key)
+    if isinstance(update, GRPOUpdate) and update.config.distill is not None:
+        # before anything is written: the attempt's file keeps the teacher's logprobs with the groups
+        # (a retry asks the teacher nothing again), and a teacher that fails leaves no attempt
+        from journeyman.backends.teachers import score_for_step
+
+        update.teacher_metrics = await score_for_step(s, update.groups, update.config.distill.teacher)
     text = await asyncio.to_thread(groups_text, update.groups)  # tens of MB, once, off the event loop
     async with s.step_lock:
         begun = begin(s, update, text, idempotency_key, parent)

@@ -181,6 +181,84 @@ class ModelConfig(OwnErrorsModel):
         return v if v is None else family_named(v).name
 
 
+class Teacher(OwnErrorsModel):
+    """Where a distillation teacher's logprobs come from: one of three sources.
+
+    - `base_url`: an OpenAI-compatible server that scores given token ids (`/v1/completions` with
+      `echo`, `max_tokens=0` and `logprobs`, as vLLM answers), serving `model`;
+    - `base_model` (with an optional `checkpoint`): a model loaded in the training process from a
+      local Hugging Face directory or the embedded model, with a LoRA step of a run on top;
+    - neither: `model` is a model registered on the same backend, scored at the step it serves
+      (sharing its base weights when it has the student's base).
+
+    Its tokenizer must be the student's: the backend checks a probe text before the first step and
+    refuses another (`TeacherTokenizerError`); cross-tokenizer distillation is not supported.
+    """
+
+    model_config = _STRICT
+
+    model: str | None = Field(
+        default=None,
+        description="the teacher's name: the model at base_url, or a model registered on this backend; "
+        "optional with base_model",
+    )
+    base_url: str | None = Field(
+        default=None, description="an OpenAI-compatible server that returns logprobs of given tokens (vLLM)"
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        description="the environment variable holding base_url's API key (a key itself is never put in a "
+        "config, which is logged and tracked)",
+    )
+    base_model: str | None = Field(
+        default=None, description="load the teacher in the training process: " + BASE_MODEL_FORMS
+    )
+    checkpoint: str | None = Field(
+        default=None,
+        description="with base_model: a LoRA checkpoint directory applied to it (a run's "
+        "checkpoints/<step>, this model's own better step)",
+    )
+    batch_tokens: int = Field(
+        default=8192, ge=64, description="tokens scored per request or forward pass (whole sequences)"
+    )
+    timeout_s: float = Field(default=120.0, gt=0, description="longest wait for one scoring request")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Teacher:
+        if self.base_url is not None and self.base_model is not None:
+            raise InvalidFieldError(
+                "teacher.base_url", self.base_url, "give base_url or base_model, not both"
+            )
+        if self.base_model is None and self.model is None:
+            raise InvalidFieldError(
+                "teacher.model", None, "name the teacher (at base_url, or a model registered on this backend)"
+            )
+        if self.checkpoint is not None and self.base_model is None:
+            raise InvalidFieldError("teacher.checkpoint", self.checkpoint, "needs base_model beside it")
+        return self
+
+
+class DistillConfig(BaseModel):
+    """On-policy distillation: the student samples, the teacher scores every sampled token, and each
+    token's advantage is `teacher_weight * (log π_teacher - log π_student)` (the negative of the
+    per-token reverse-KL estimate at the sampled token), plus `reward_weight` times the task's group
+    advantage. reward_weight=0 is pure distillation; groups whose rewards are all equal still train."""
+
+    model_config = _STRICT
+
+    teacher: Teacher
+    teacher_weight: float = Field(
+        default=1.0,
+        gt=0,
+        description="weight of the per-token teacher advantage (log π_teacher - log π_student)",
+    )
+    reward_weight: float = Field(
+        default=0.0,
+        ge=0,
+        description="weight of the task's group advantage beside it: 0 is pure distillation, 1 adds GRPO's as is",
+    )
+
+
 class TrainConfig(BaseModel):
     """Settings of one training step. Every field says what it does and where it comes from."""
 
@@ -248,6 +326,11 @@ class TrainConfig(BaseModel):
         default=False,
         description="bf16 autocast for the forward pass: faster only where bf16 matmuls are (GPUs, CPUs "
         "with AMX; bench/bf16_step.py tells), and the engine/trainer logprob gap grows",
+    )
+    distill: DistillConfig | None = Field(
+        default=None,
+        description="on-policy distillation from a teacher, alone or mixed with the task's reward "
+        "(DistillConfig); None: the reward alone (GRPO)",
     )
 
     @model_validator(mode="after")
@@ -394,12 +477,14 @@ class TrainResult(BaseModel):
 __all__ = [
     "BASE_MODEL_FORMS",
     "DEFAULT_BASE_MODEL",
+    "DistillConfig",
     "LongRows",
     "LoraConfig",
     "LossKind",
     "LrSchedule",
     "ModelConfig",
     "SFTConfig",
+    "Teacher",
     "TrainConfig",
     "TrainResult",
     "TrainerConfig",

@@ -55,12 +55,18 @@ class TokenRecord(BaseModel):
     spliced_turns: int = Field(
         default=0, ge=0, description="earlier assistant turns given to the engine as their sampled ids"
     )
+    teacher_logprobs: list[Logprob] | None = Field(
+        default=None,
+        description="log π_teacher(token) of each sampled id after the same prompt, for on-policy "
+        "distillation (`TrainConfig.distill`): filled once by the backend before the step, kept with "
+        "the trajectory so a retried step asks the teacher nothing again",
+    )
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "teacher_logprobs")
     @classmethod
-    def _one_per_token(cls, v: list[float], info: ValidationInfo) -> list[float]:
+    def _one_per_token(cls, v: list[float] | None, info: ValidationInfo) -> list[float] | None:
         ids = info.data.get("token_ids")  # absent when the ids themselves were refused
-        if ids is not None and len(v) != len(ids):
+        if v is not None and ids is not None and len(v) != len(ids):
             raise ValueError(f"has {len(v)} entries for {len(ids)} token_ids: one logprob per sampled id")
         return v
 
@@ -72,6 +78,16 @@ def record_of(choice: Choice) -> TokenRecord | None:
     if raw is None:
         return None
     return raw if isinstance(raw, TokenRecord) else TokenRecord.model_validate(raw)
+
+
+def set_teacher_logprobs(choice: Choice, values: list[float]) -> None:
+    """Keep a teacher's logprobs on the choice's token record, whichever form the record is in (a
+    parsed `TokenRecord` or the raw dict a wire body or a run file gave)."""
+    raw = (choice.model_extra or {}).get("journeyman")
+    if isinstance(raw, TokenRecord):
+        raw.teacher_logprobs = list(values)
+    elif isinstance(raw, dict):
+        raw["teacher_logprobs"] = list(values)
 
 
 def _checked_record(choice: Choice, where: str) -> Choice:
@@ -367,4 +383,5 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "record_of",
+    "set_teacher_logprobs",
 ]

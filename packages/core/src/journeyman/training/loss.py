@@ -89,7 +89,7 @@ def _clipped(ratio: torch.Tensor, adv: torch.Tensor, eps: float, eps_high: float
 def policy_loss(
     logp: torch.Tensor,  # (B, T) log π_θ(token), with grad
     old_logp: torch.Tensor,  # (B, T) log π_old(token): the rollout logprobs, or the trainer's own (with TIS)
-    advantages: torch.Tensor,  # (B,)
+    advantages: torch.Tensor,  # (B,) one per row, or (B, T) one per token (distillation)
     mask: torch.Tensor,  # (B, T) 1.0 on trained tokens
     num_tokens: int,
     *,
@@ -109,7 +109,7 @@ def policy_loss(
     plus kl_coef * k3(π_θ || π_ref) = exp(ref - logp) - (ref - logp) - 1 per token.
     """
     eps_high = eps if eps_high is None else eps_high
-    adv = advantages[:, None]  # (B, 1)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
     log_ratio = (logp - old_logp) * mask  # (B, T)
     ratio = torch.exp(log_ratio)
     if kind == "ppo":

@@ -26,10 +26,18 @@ from journeyman.chat.formats import ChatFormat
 from journeyman.chat.messages import normalize_messages
 from journeyman.data.config import LongRows
 from journeyman.data.types import History, TokenRecord, Trajectory
-from journeyman.errors import NoTrainableTokensError
+from journeyman.errors import NoTrainableTokensError, TeacherLogprobsError
 from journeyman.rollout.histories import extends
 
-__all__ = ["LONG_ROW_METRICS", "Row", "fit_rows", "history_rows", "trajectory_rows", "truncate_rows"]
+__all__ = [
+    "LONG_ROW_METRICS",
+    "Row",
+    "check_teacher_logprobs",
+    "fit_rows",
+    "history_rows",
+    "trajectory_rows",
+    "truncate_rows",
+]
 
 NAN = math.nan
 
@@ -42,11 +50,20 @@ class Row:
     rollout_logprobs: list[float] = field(default_factory=list)
     advantage: float = 0.0
     retokenized: bool = False
+    # log π_teacher of each trained token (on-policy distillation; NaN where none was scored)
+    teacher_logprobs: list[float] = field(default_factory=list)
 
-    def extend(self, ids: list[int], trained: bool, logprobs: list[float] | None = None) -> None:
+    def extend(
+        self,
+        ids: list[int],
+        trained: bool,
+        logprobs: list[float] | None = None,
+        teacher: list[float] | None = None,
+    ) -> None:
         self.input_ids += ids
         self.trained += [trained] * len(ids)
         self.rollout_logprobs += logprobs if logprobs is not None else [NAN] * len(ids)
+        self.teacher_logprobs += teacher if teacher is not None else [NAN] * len(ids)
 
     @property
     def num_trained(self) -> int:
@@ -64,7 +81,7 @@ def _rows_from_records(records: list[TokenRecord]) -> list[Row]:
             row = Row()
             rows.append(row)
             row.extend(prompt, trained=False)
-        row.extend(rec.token_ids, trained=True, logprobs=rec.logprobs)
+        row.extend(rec.token_ids, trained=True, logprobs=rec.logprobs, teacher=rec.teacher_logprobs)
     return rows
 
 
@@ -123,6 +140,21 @@ def trajectory_rows(
     return rows
 
 
+def check_teacher_logprobs(rows: Sequence[Row], where: str) -> None:
+    """Every trained token of `rows` has a finite teacher logprob, else `TeacherLogprobsError`
+    naming the trajectory and the token (distillation trains on nothing else)."""
+    for r in rows:
+        for k, (trained, lp) in enumerate(zip(r.trained, r.teacher_logprobs, strict=True)):
+            if trained and not math.isfinite(lp):
+                why = (
+                    "was re-tokenised from text (no token records): distillation needs the sampled ids"
+                    if r.retokenized
+                    else "has no teacher logprob: score the groups with the teacher first "
+                    "(TrainConfig.distill does so on the backend)"
+                )
+                raise TeacherLogprobsError(f"{where}.token[{k}]", lp, why)
+
+
 def truncate_rows(rows: Sequence[Row], max_seq_len: int) -> int:
     """Cut rows longer than `max_seq_len` tokens in place; returns how many were cut."""
     truncated = 0
@@ -130,6 +162,7 @@ def truncate_rows(rows: Sequence[Row], max_seq_len: int) -> int:
         if len(r.input_ids) > max_seq_len:
             truncated += 1
             del r.input_ids[max_seq_len:], r.trained[max_seq_len:], r.rollout_logprobs[max_seq_len:]
+            del r.teacher_logprobs[max_seq_len:]
     return truncated
 
 
@@ -168,6 +201,7 @@ def fit_rows(rows: Sequence[Row], max_seq_len: int, policy: LongRows) -> tuple[l
                     row.rollout_logprobs[:max_seq_len],
                     row.advantage,
                     row.retokenized,
+                    row.teacher_logprobs[:max_seq_len],
                 )
             ]
             counts["rows_truncated"] += 1
@@ -203,6 +237,9 @@ def _slice(row: Row, prefix: int, turns: list[tuple[int, int]], context: int, fi
     out.input_ids += row.input_ids[start:end]
     out.trained += row.trained[start:end]
     out.rollout_logprobs += row.rollout_logprobs[start:end] if context == 0 else [NAN] * (end - start)
+    # kept whatever was dropped: with the student's rollout logprob, the teacher's is what the sampled
+    # token was worth after its whole context, the advantage this token earned
+    out.teacher_logprobs += row.teacher_logprobs[start:end]
     return out
 
 

@@ -32,7 +32,7 @@ from journeyman.policy.lora import LoraPolicy, attention_implementation
 from journeyman.training.collective import Collective
 from journeyman.training.loss import group_advantages, policy_loss
 from journeyman.training.packing import Pack, pack_rows, pack_tree, packed_logprobs, pad_rows
-from journeyman.training.rows import Row, fit_rows, trajectory_rows
+from journeyman.training.rows import Row, check_teacher_logprobs, fit_rows, trajectory_rows
 
 __all__ = [
     "LONG_ROW_TOKENS",
@@ -58,6 +58,8 @@ METRIC_KEYS = frozenset(
         "is_weight_mean",
         "is_weight_outside_2x",
         "is_truncated",
+        "teacher_kl",
+        "teacher_advantage",
     }
 )
 
@@ -65,25 +67,37 @@ METRIC_KEYS = frozenset(
 def build_rows(
     groups: Sequence[TrajectoryGroup], chat_format: ChatFormat, config: TrainConfig
 ) -> tuple[list[Row], dict[str, float]]:
-    """Rows with advantages; groups whose rewards are all equal carry no signal and are dropped."""
+    """Rows with advantages; groups whose rewards are all equal carry no signal and are dropped.
+
+    With distillation (`config.distill`) the teacher's logprobs carry the signal: every group trains,
+    its task advantages scaled by `reward_weight` (zero where its rewards are equal), and a trained
+    token without a teacher logprob is refused (`TeacherLogprobsError`)."""
+    distill = config.distill
     rows: list[Row] = []
     zero = 0
     for gi, group in enumerate(groups):
         rewards = torch.tensor(group.rewards(), dtype=torch.float64)
         if config.advantages == "given":  # the caller's advantages: a group of one teaches too
-            if not rewards.numel() or not bool(rewards.abs().max() > 0):
-                zero += 1
-                continue
+            signal = bool(rewards.numel()) and bool(rewards.abs().max() > 0)
             adv = rewards
-        elif len(rewards) < 2 or float(rewards.max() - rewards.min()) < max(1e-9, config.min_reward_spread):
-            zero += 1
-            continue
         else:
-            adv = group_advantages(rewards, scale_by_std=config.scale_rewards)
+            spread = float(rewards.max() - rewards.min()) if len(rewards) >= 2 else 0.0
+            signal = spread >= max(1e-9, config.min_reward_spread)
+            adv = group_advantages(rewards, scale_by_std=config.scale_rewards) if signal else rewards * 0
+        if not signal:
+            zero += 1
+            if distill is None:
+                continue
+        if distill is not None:
+            adv = adv * distill.reward_weight
         for ti, (traj, a) in enumerate(zip(group.trajectories, adv.tolist(), strict=True)):
-            rows += trajectory_rows(traj, chat_format, a, where=f"groups[{gi}].trajectories[{ti}]")
+            where = f"groups[{gi}].trajectories[{ti}]"
+            got = trajectory_rows(traj, chat_format, a, where=where)
+            if distill is not None:
+                check_teacher_logprobs(got, where)
+            rows += got
     rows, long_rows = fit_rows(rows, config.max_seq_len, config.long_rows)
-    rows = [r for r in rows if r.num_trained and r.advantage != 0.0]
+    rows = [r for r in rows if r.num_trained and (r.advantage != 0.0 or distill is not None)]
     return rows, {
         "groups": float(len(groups)),
         "groups_zero_signal": float(zero),
@@ -350,6 +364,9 @@ class GRPOTrainer:
             ref = torch.zeros(shape, device=device).index_put((rows_idx, pos_idx), ref_flat.float())
         advantages = torch.tensor([r.advantage for r in pack.rows], device=device, dtype=torch.float32)
         mask = target_mask.float()
+        distilled: dict[str, float] = {}
+        if config.distill is not None:
+            advantages, distilled = self._distilled(pack, advantages, rollout_lp, mask, num_tokens, config)
         loss, metrics = policy_loss(
             logp,
             old,
@@ -377,4 +394,31 @@ class GRPOTrainer:
         metrics["is_weight_mean"] = float((is_weight * mask).sum() / denom)
         metrics["is_weight_outside_2x"] = float((far * mask).sum() / denom)
         metrics["is_truncated"] = float((truncated * mask).sum() / denom)
-        return metrics
+        return {**metrics, **distilled}
+
+    def _distilled(
+        self,
+        pack: Pack,
+        advantages: torch.Tensor,  # (B,) the task's, already scaled by reward_weight
+        student_lp: torch.Tensor,  # (B, T-1) log π of each sampled token as it was sampled
+        mask: torch.Tensor,
+        num_tokens: int,
+        config: TrainConfig,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(B, T-1) per-token advantages: the task's plus teacher_weight * (log π_teacher - log π_student),
+        the negative of the reverse-KL estimate at the sampled token (on-policy distillation: the
+        student is pushed toward what the teacher would have sampled, token by token)."""
+        assert config.distill is not None
+        device = advantages.device
+        width = mask.shape[1] + 1
+        teacher = torch.full((len(pack.rows), width), math.nan)
+        for i, r in enumerate(pack.rows):
+            teacher[i, : len(r.teacher_logprobs)] = torch.tensor(r.teacher_logprobs)
+        teacher_lp = teacher[:, 1:].to(device)
+        gap = torch.where(mask > 0, teacher_lp - student_lp, torch.zeros_like(student_lp))
+        per_token = advantages[:, None] + config.distill.teacher_weight * gap
+        denom = max(num_tokens, 1)
+        return per_token, {
+            "teacher_kl": float(-(gap * mask).sum() / denom),  # mean log π_student - log π_teacher
+            "teacher_advantage": float((config.distill.teacher_weight * gap * mask).sum() / denom),
+        }

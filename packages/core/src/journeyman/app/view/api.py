@@ -153,6 +153,10 @@ class TokenRow(BaseModel):
     text: list[str] | None = Field(description="each token's text, when a tokenizer is at hand")
     trained: list[bool]
     logprobs: list[float | None]
+    teacher_logprobs: list[float | None] | None = Field(
+        default=None,
+        description="a distillation teacher's logprob of each trained token, when it scored them",
+    )
 
 
 class ErrorView(BaseModel):
@@ -316,28 +320,33 @@ def _records(traj: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _rows(records: list[dict[str, Any]]) -> list[tuple[list[int], list[bool], list[float | None]]]:
+Scores = list[float | None]
+
+
+def _rows(records: list[dict[str, Any]]) -> list[tuple[list[int], list[bool], Scores, Scores]]:
     """Records joined into rows by the trainer's rule (`training.rows`): a call whose prompt extends
-    the row so far continues it, its new prompt ids masked, its sampled ids trained."""
-    rows: list[tuple[list[int], list[bool], list[float | None]]] = []
+    the row so far continues it, its new prompt ids masked, its sampled ids trained; beside each
+    sampled id its logprob, and its teacher's when a distillation teacher scored it."""
+    rows: list[tuple[list[int], list[bool], Scores, Scores]] = []
     for rec in records:
         prompt = _token_ids(rec.get("prompt_token_ids"))
         sampled = _token_ids(rec.get("token_ids"))
-        lps = _items(rec.get("logprobs"))
         if rows and extends(rows[-1][0], prompt):
-            ids, trained, logprobs = rows[-1]
+            ids, trained, logprobs, teacher = rows[-1]
             new = prompt[len(ids) :]
         else:
-            ids, trained, logprobs = [], [], []
-            rows.append((ids, trained, logprobs))
+            ids, trained, logprobs, teacher = [], [], [], []
+            rows.append((ids, trained, logprobs, teacher))
             new = prompt
         ids += new
         trained += [False] * len(new)
-        logprobs += [None] * len(new)
         ids += sampled
         trained += [True] * len(sampled)
-        logprobs += [_float(x) for x in lps[: len(sampled)]]
-        logprobs += [None] * (len(sampled) - len(lps))
+        for scores, key in ((logprobs, "logprobs"), (teacher, "teacher_logprobs")):
+            lps = _items(rec.get(key))
+            scores += [None] * len(new)
+            scores += [_float(x) for x in lps[: len(sampled)]]
+            scores += [None] * (len(sampled) - len(lps))
     return rows
 
 
@@ -490,9 +499,16 @@ def trajectory_view(run: Run, f: StepFile, group: int, index: int) -> Trajectory
     advs = advantages([_num(t.get("reward")) for t in trajs])
     decode = token_decoder(_str(run.state().get("base_model") or DEFAULT_BASE_MODEL))
     rows = []
-    for ids, trained, logprobs in _rows(_records(traj)):
+    for ids, trained, logprobs, teacher in _rows(_records(traj)):
+        scored = any(x is not None for x in teacher)
         rows.append(
-            TokenRow(ids=ids, text=decode(ids) if decode else None, trained=trained, logprobs=logprobs)
+            TokenRow(
+                ids=ids,
+                text=decode(ids) if decode else None,
+                trained=trained,
+                logprobs=logprobs,
+                teacher_logprobs=teacher if scored else None,
+            )
         )
     metadata = _fields(traj.get("metadata"))
     logs = traj.get("logs")

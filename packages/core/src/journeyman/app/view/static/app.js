@@ -359,13 +359,19 @@ function tokenView(t) {
   const color = (lp) => `hsl(${Math.round(120 * Math.exp(Math.max(lp, -20)))}, 70%, 80%)`;
   return h("div", {},
     h("div", { class: "row muted" }, h("span", {}, h("span", { class: "badge" }, "masked"), " prompt and tool results (not trained)"),
-      h("span", {}, "trained: p = exp(logprob) ", h("span", { class: "scale" }), " 0 → 1")),
+      h("span", {}, "trained: p = exp(logprob) ", h("span", { class: "scale" }), " 0 → 1"),
+      t.rows.some((r) => r.teacher_logprobs) ? h("span", {}, "underline: teacher − student logprob, blue > 0, orange < 0 (hover for both)") : null),
     t.rows.map((r, ri) => h("div", {}, t.rows.length > 1 ? h("h2", {}, `row ${ri + 1}`) : null,
       h("div", { class: "tokens", id: "tokens-" + ri }, r.ids.map((id, i) => {
         const text = r.text ? r.text[i] : `[${id}]`;
         const lp = r.logprobs[i];
-        const title = `id ${id}` + (r.trained[i] ? `\nlogprob ${fmt(lp, 4)}\np ${fmt(Math.exp(lp), 3)}` : "\nmasked");
-        return h("span", { class: r.trained[i] ? "trained" : "masked", title, style: r.trained[i] && lp !== null ? `background:${color(lp)}` : null }, text);
+        const tlp = r.teacher_logprobs ? r.teacher_logprobs[i] : null;
+        // distillation: the teacher's logprob beside the student's, and the token's advantage from it
+        // (teacher - student) as the underline, blue where the teacher liked it more, orange less
+        const teacher = tlp !== null && lp !== null ? `\nteacher logprob ${fmt(tlp, 4)}\nteacher - student ${fmt(tlp - lp, 3)}` : "";
+        const title = `id ${id}` + (r.trained[i] ? `\nlogprob ${fmt(lp, 4)}\np ${fmt(Math.exp(lp), 3)}${teacher}` : "\nmasked");
+        const under = teacher ? `;border-bottom:3px solid ${tlp - lp >= 0 ? "#2563eb" : "#ea580c"}` : "";
+        return h("span", { class: r.trained[i] ? "trained" : "masked", title, "data-teacher": tlp === null ? null : tlp, style: r.trained[i] && lp !== null ? `background:${color(lp)}${under}` : null }, text);
       })))));
 }
 
