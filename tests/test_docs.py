@@ -90,6 +90,7 @@ READER_NAMES: dict[tuple[str, str], set[str]] = {
     # also asks a judge server on 127.0.0.1:8000
     ("docs/ruler.md", "rubric=MY_RUBRIC"): {"MY_RUBRIC"},
     ("docs/ruler.md", "await complete_json("): {"messages", "schema"},
+    ("docs/distill.md", "distill=jm.DistillConfig("): {"groups"},
 }
 # Blocks that need a service this machine lacks: block -> that service. Compiled and checked, not run.
 EXTERNAL: dict[tuple[str, str], str] = {
@@ -744,6 +745,9 @@ RUN: dict[tuple[str, str], tuple[str, str]] = {
 }
 # Not run here: command -> why. Their arguments are still parsed (see above).
 NOT_RUN: dict[tuple[str, str], str] = {
+    ("docs/distill.md", "uv run python bench/distill.py"): (
+        "half an hour of training (the mechanism: packages/core/tests/rewards/test_distill.py)"
+    ),
     ("docs/environments.md", "journeyman train --env gym:textarena"): (
         "minutes of training (packages/core/tests/environments runs a step of it small)"
     ),

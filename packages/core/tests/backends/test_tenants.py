@@ -109,6 +109,26 @@ def test_the_tenant_cannot_read_train_or_capture_another_model(tenancy: Tenancy)
         _refused(c.post(f"{model}/delete_checkpoints", json={}))
 
 
+def test_the_tenant_cannot_distill_from_another_model_or_a_path(
+    tenancy: Tenancy, mine: jm.TrainableModel
+) -> None:
+    """A teacher is read by the server for the caller: another tenant's model is refused by its name
+    (training or live), and a base or checkpoint path or a URL the server would open, outright."""
+    train = f"{PREFIX}/models/{mine.name}/train"
+    with tenancy.http(tenancy.tenant) as c:
+        theirs = {"distill": {"teacher": {"model": THEIRS}}}
+        _refused(c.post(train, json={"groups": [], "idempotency_key": "k", "config": theirs}))
+        live = {"train": {"advantages": "given", **theirs}}
+        _refused(c.post(f"{PREFIX}/models/{mine.name}/live", json={"config": live}))
+        for teacher in (
+            {"base_model": "smollm2-135m-instruct", "checkpoint": "/srv/runs/beta/checkpoints/0001"},
+            {"base_url": "http://10.0.0.1:8000/v1", "model": "internal"},
+        ):
+            body = {"groups": [], "idempotency_key": "k", "config": {"distill": {"teacher": teacher}}}
+            r = c.post(train, json=body)
+            assert r.status_code == 403 and "config.distill.teacher" in r.text, r.text
+
+
 async def test_the_tenant_does_all_of_its_own(tenancy: Tenancy, mine: jm.TrainableModel) -> None:
     """Registered by the tenant: sampled (the captured call popped back), trained, logged, its step
     and history read, its step served, its live training started and an outcome reported."""

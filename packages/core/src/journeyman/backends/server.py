@@ -50,7 +50,8 @@ from journeyman.client.operations import OPERATIONS, REGISTER, Operation
 from journeyman.client.protocol import Progress, ServedBackend
 from journeyman.client.wire import PREFIX, PROTOCOL_VERSION, Registered, ServerInfo, TrainEvent, body_error
 from journeyman.data.budget import BudgetExceededError
-from journeyman.data.config import ModelConfig, TrainResult
+from journeyman.data.config import ModelConfig, TrainConfig, TrainResult
+from journeyman.data.live_types import LiveConfig
 from journeyman.data.paths import RunRoot
 from journeyman.errors import (
     BackendUnavailableError,
@@ -190,6 +191,27 @@ def _check_tenant(model: object) -> None:
         and not (isinstance(model, str) and may_touch(token, model))
     ):
         raise ModelForbiddenError(str(model), token)
+
+
+def _check_teacher(arguments: dict[str, Any]) -> None:
+    """A distillation teacher is read by the server for the caller: a token scoped to models may
+    name as teacher only a model it may touch, never a path or URL the server would open for it
+    (another tenant's checkpoint, a service on the server's network)."""
+    token = _CALLER.get()
+    for value in arguments.values():
+        config = value.train if isinstance(value, LiveConfig) else value
+        if not isinstance(config, TrainConfig) or config.distill is None:
+            continue
+        teacher = config.distill.teacher
+        if teacher.base_url is None and teacher.base_model is None:
+            _check_tenant(teacher.model)
+        elif token is not None and token.models is not None:
+            raise ModelForbiddenError(
+                "teacher",
+                token,
+                "config.distill.teacher: a token scoped to models distills only from a model registered here "
+                "that it may touch, not a base_model or base_url the server would open",
+            )
 
 
 def _visible(names: list[str]) -> list[str]:
@@ -396,6 +418,7 @@ def create_app(
         if op is REGISTER:
             _check_tenant(arguments["model"].name)
             return await _register(backend, arguments["model"])
+        _check_teacher(arguments)
         if "trained_by" in inspect.signature(op.declared).parameters:  # who asked: the caller's token
             arguments["trained_by"] = _token_name(request)
         if op.progress_unit is not None:

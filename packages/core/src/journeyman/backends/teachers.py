@@ -11,18 +11,19 @@ teacher is resolved once per model and teacher (`Teacher` as given), its tokeniz
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from journeyman.data.config import LoraConfig, Teacher
 from journeyman.data.types import TrajectoryGroup
 from journeyman.errors import InvalidFieldError, UnknownModelError
-from journeyman.rewards.teacher import EndpointScorer, ModelScorer, Scorer, check_tokenizer, score_groups
+from journeyman.rewards.teacher import EndpointScorer, Scorer, check_tokenizer, score_groups
 
 if TYPE_CHECKING:
     from journeyman.backends.service import ServedModel
 
-__all__ = ["score_for_step", "teacher_scorer"]
+__all__ = ["ModelScorer", "score_for_step", "teacher_scorer"]
 
 
 async def teacher_scorer(s: ServedModel, teacher: Teacher) -> Scorer:
@@ -101,3 +102,40 @@ async def score_for_step(s: ServedModel, groups: list[TrajectoryGroup], teacher:
     if s.meter is not None and counts["teacher_tokens"]:
         s.meter.add(judge_tokens=int(counts["teacher_tokens"]))
     return counts
+
+
+class ModelScorer:
+    """A causal LM in this process (a PEFT model: the adapter on, as it samples). `run` places the
+    forward passes (the engine's thread, which keeps one OpenMP team busy at a time)."""
+
+    def __init__(
+        self,
+        policy_model: Any,
+        tokenizer: Any,
+        run: Callable[[Callable[[], list[list[float]]]], Awaitable[list[list[float]]]],
+        hold: Callable[[], Any] | None = None,
+    ) -> None:
+        self.model, self.tokenizer, self.run, self.hold = policy_model, tokenizer, run, hold
+
+    async def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return await self.run(lambda: self._forward(sequences))
+
+    def _forward(self, sequences: list[list[int]]) -> list[list[float]]:
+        import contextlib
+
+        import torch
+
+        from journeyman.training.loss import head_logprobs
+
+        causal_lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        device = next(self.model.parameters()).device
+        out: list[list[float]] = []
+        with torch.inference_mode(), self.hold() if self.hold is not None else contextlib.nullcontext():
+            for seq in sequences:  # one at a time: no padding, and a long one sets no batch's width
+                ids = torch.tensor([seq], device=device)
+                hidden = causal_lm.model(input_ids=ids).last_hidden_state[0, :-1]  # the head in chunks
+                out.append(head_logprobs(hidden, causal_lm.lm_head, ids[0, 1:]).tolist())
+        return out
+
+    async def text_of(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids))

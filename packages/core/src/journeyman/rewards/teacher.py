@@ -7,8 +7,8 @@ growing sequence) are scored as that one sequence, the sequences sent in batches
 
 - `EndpointScorer`: an OpenAI-compatible server, by `/v1/completions` with the token ids as the
   prompt, `echo`, `max_tokens=0` and `logprobs=0` (vLLM answers it; so did OpenAI's legacy API);
-- `ModelScorer`: a causal LM in this process (a LoRA policy: a model registered on the backend, or a
-  base loaded with a run's checkpoint on top).
+- `backends/teachers.py: ModelScorer`: a causal LM in the training process (a model registered on
+  the backend, or a base loaded with a run's checkpoint on top).
 
 `check_tokenizer` compares the teacher's reading of a probe text's ids with the student's before the
 first scoring: a teacher with another tokenizer would score other tokens, so it is refused.
@@ -20,7 +20,7 @@ import asyncio
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -34,7 +34,6 @@ from journeyman.rollout.histories import extends
 __all__ = [
     "PROBE",
     "EndpointScorer",
-    "ModelScorer",
     "Scorer",
     "check_tokenizer",
     "score_groups",
@@ -226,40 +225,3 @@ class EndpointScorer:
 
     async def aclose(self) -> None:
         await self.client.aclose()
-
-
-class ModelScorer:
-    """A causal LM in this process (a PEFT model: the adapter on, as it samples). `run` places the
-    forward passes (the engine's thread, which keeps one OpenMP team busy at a time)."""
-
-    def __init__(
-        self,
-        policy_model: Any,
-        tokenizer: Any,
-        run: Callable[[Callable[[], list[list[float]]]], Awaitable[list[list[float]]]],
-        hold: Callable[[], Any] | None = None,
-    ) -> None:
-        self.model, self.tokenizer, self.run, self.hold = policy_model, tokenizer, run, hold
-
-    async def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await self.run(lambda: self._forward(sequences))
-
-    def _forward(self, sequences: list[list[int]]) -> list[list[float]]:
-        import contextlib
-
-        import torch
-
-        from journeyman.training.loss import head_logprobs
-
-        causal_lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        device = next(self.model.parameters()).device
-        out: list[list[float]] = []
-        with torch.inference_mode(), self.hold() if self.hold is not None else contextlib.nullcontext():
-            for seq in sequences:  # one at a time: no padding, and a long one sets no batch's width
-                ids = torch.tensor([seq], device=device)
-                hidden = causal_lm.model(input_ids=ids).last_hidden_state[0, :-1]  # the head in chunks
-                out.append(head_logprobs(hidden, causal_lm.lm_head, ids[0, 1:]).tolist())
-        return out
-
-    async def text_of(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids))
