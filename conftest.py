@@ -53,7 +53,7 @@ FILE_SECONDS = {
     "packages/core/tests/engine/test_kv.py": 39,
     "packages/core/tests/backends/test_train_step.py": 52,
     "packages/core/tests/serving/test_fuzz.py": 32,
-    "packages/core/tests/backends/test_live_training.py": 48,
+    "packages/core/tests/backends/test_live_training.py": 68,  # + the budget stops: 2026-11-29
     "tests/test_remote_integrations.py": 41,
     "packages/core/tests/backends/test_drain.py": 20,
     "tests/test_light_client.py": 41,
@@ -79,6 +79,7 @@ FILE_SECONDS = {
     "packages/core/tests/backends/test_many_models.py": 70,  # alone: 2026-11-29 (mixed batches, pipelines)
     "packages/core/tests/backends/test_budget.py": 60,  # under load: 2026-11-29
     "packages/core/tests/backends/test_tenants.py": 73,  # alone, -n 0, wall: 2026-11-29
+    "packages/core/tests/rewards/test_distill.py": 70,  # estimate under load: 2026-11-29
     "packages/core/tests/serving/test_model_limits.py": 19,  # alone, -n 0 (32 s wall with collection): 2026-11-29
 }
 

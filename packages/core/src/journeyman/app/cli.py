@@ -254,7 +254,7 @@ def eval_env(
 
 
 @app.command("train")
-@with_fields(identity=BASE_MODEL, train=DEMO_TRAIN)
+@with_fields(identity=BASE_MODEL, train=DEMO_TRAIN, budget=BUDGET)
 def train_env(
     env: _ENV,
     steps: Annotated[int, typer.Option(help="training steps")] = 10,
@@ -273,6 +273,7 @@ def train_env(
     *,
     identity: dict[str, Any],
     train: dict[str, Any],
+    budget: dict[str, Any],
 ) -> None:
     """Train a model with GRPO on an environment's train split (a group of rollouts for each task drawn);
     `journeyman eval --env SPEC --steps 0,latest` then shows what it learned."""
@@ -303,6 +304,7 @@ def train_env(
             pipeline=pipeline,
             backend_url=backend,
             token=token,
+            budget=budget_of(budget),
             on_step=on_step,
         )
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 from journeyman._extras import require_backend
 from journeyman.backends.connect import open_backend
 from journeyman.client.model import TrainableModel
+from journeyman.data.budget import Budget
 from journeyman.data.config import DEFAULT_BASE_MODEL, TrainConfig
 from journeyman.data.paths import RunLayout
 from journeyman.environments import EvalReport, Sampling, TrainStep, evaluate, load, train
@@ -82,11 +83,14 @@ async def run_train(
     backend_url: str | None = None,
     token: str | None = None,
     on_step: object = None,
+    budget: Budget | None = None,
 ) -> tuple[list[TrainStep], Path, int]:
     """Train; (each step, the run directory, the step reached)."""
     env = load(spec)
     backend = open_backend(backend_url, token=token, path=path)
-    model = TrainableModel(name=name, project=project, base_model=base_model or DEFAULT_BASE_MODEL)
+    model = TrainableModel(
+        name=name, project=project, base_model=base_model or DEFAULT_BASE_MODEL, budget=budget
+    )
     try:
         await model.register(backend)
         done = await train(

@@ -337,7 +337,7 @@ def assemble(
         raise InvalidFieldError("model.lora.target_modules", model.lora.target_modules, str(e)[:300]) from e
     chat_format = ChatFormat(policy.tokenizer, family=model.chat_format)
     store = RunStore(run_dir)
-    meter = Meter(model.name, store.root / "spend.json", model.budget)
+    meter = Meter(model.name, store.layout.spend, model.budget)
     step = store.resume_step()  # the committed step, or the newest good one if it is corrupt
     engine = _make_engine(settings, bases, base, policy, chat_format, step, store.checkpoint_dir(step))
     context = getattr(policy.model.config, "max_position_embeddings", None)

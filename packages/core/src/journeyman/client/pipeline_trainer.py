@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from journeyman.client.protocol import charging
 from journeyman.data.config import TrainConfig, TrainResult
 from journeyman.data.journal import GroupJournal
 from journeyman.data.provenance import oldest_step
@@ -245,7 +246,8 @@ class _Run(Generic[S]):
         if n_resumed:
             log.info("pipeline: %d finished groups from the journal train first", n_resumed)
         bar = _Bar(self.num_steps, self.cfg.progress)
-        producer = asyncio.create_task(self._produce())
+        with charging(self.model):  # the rollouts' tasks copy this context: RULER in them charges this model
+            producer = asyncio.create_task(self._produce())
         steps = 0
         try:
             while steps < self.num_steps:
