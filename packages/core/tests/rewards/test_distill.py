@@ -8,6 +8,7 @@ are at hand), so those answers come from a wire-level stand-in speaking `/v1/com
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import urllib.request
@@ -253,3 +254,33 @@ async def test_what_the_teacher_reads_counts_against_the_judge_budget(two) -> No
         await model.train(groups, config=config)
     assert e.value.budget == "judge_tokens" and await model.get_step() == 1
     assert all(r.teacher_logprobs is None for g in groups for t in g.trajectories for r in t.records())
+
+
+async def test_live_training_distills_from_the_teacher(two) -> None:
+    """Live training's step is a step like any: with `LiveConfig(train=...distill)` its episodes are
+    scored by the teacher, trained, and the candidate's history row counts what the teacher read."""
+    _, _, backend = two
+    model = jm.TrainableModel(name="live-student", project="distill", max_tokens=6)
+    await model.register(backend)
+    train = jm.TrainConfig(advantages="given", distill=DISTILL)
+    config = jm.LiveConfig(
+        episodes_per_step=2, settle_s=0.0, train=train, gate=jm.GateConfig(canary_share=0.0)
+    )
+    await model.live(config)
+    client = model.openai_client()
+    for i, reward in enumerate((1.0, 1.0)):  # equal rewards: the teacher's signal alone
+        with model.episode(f"ep-{i}"):
+            await client.chat.completions.create(
+                model=model.name,
+                messages=[{"role": "user", "content": f"Name a colour ({i})."}],
+                max_tokens=6,
+            )
+        await model.report_outcome(f"ep-{i}", reward)
+    for _ in range(600):
+        if (status := await model.live_status()).candidate is not None or status.error:
+            break
+        await asyncio.sleep(0.1)
+    assert status.candidate == 1 and status.error is None, status
+    (row,) = [r for r in await model.history() if r.get("split") == "train"]
+    assert row["train/teacher_sequences"] == 2 and row["train/teacher_tokens"] > 0, row
+    await model.live(config.model_copy(update={"enabled": False}))
