@@ -15,6 +15,8 @@ a refused one never, none twice. Exit code 1 if the check fails.
 
     uv run python bench/live_kill.py                  # 6 kills, ~10 min on 2 cores
     uv run python bench/live_kill.py --kills 2 --episodes 24
+
+tests/test_live_kill.py runs it small, on a tiny random model that restarts in seconds.
 """
 
 from __future__ import annotations
@@ -118,7 +120,12 @@ async def main(args: argparse.Namespace) -> int:
     server = Server(root, token)
     log: dict[str, Any] = {"status": {}, "reasons": collections.Counter(), "calls_lost": 0, "promoted": 0}
     auth = {"authorization": f"Bearer {token}"}
-    model = jm.TrainableModel(name=MODEL, project="kill", max_tokens=4)
+    model = jm.TrainableModel(
+        name=MODEL,
+        project="kill",
+        max_tokens=4,
+        **({"base_model": args.base_model} if args.base_model else {}),
+    )
     t0 = time.monotonic()
     try:
         backend = jm.RemoteBackend(server.url, token=token, progress=False)
@@ -217,4 +224,5 @@ if __name__ == "__main__":
     p.add_argument("--final-wait-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--path", default=None)
+    p.add_argument("--base-model", default=None, help="default: the embedded model")
     raise SystemExit(asyncio.run(main(p.parse_args())))

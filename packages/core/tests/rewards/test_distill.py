@@ -284,3 +284,30 @@ async def test_live_training_distills_from_the_teacher(two) -> None:
     (row,) = [r for r in await model.history() if r.get("split") == "train"]
     assert row["train/teacher_sequences"] == 2 and row["train/teacher_tokens"] > 0, row
     await model.live(config.model_copy(update={"enabled": False}))
+
+
+async def test_the_pipeline_trainer_distills_from_the_teacher(two, tmp_path) -> None:
+    """The PipelineTrainer's steps go through the same backend step: rollouts of equal reward train
+    on the teacher's signal, and each step's metrics count what the teacher read."""
+    _, _, backend = two
+    model = jm.TrainableModel(name="pipe-student", project="distill", max_tokens=6)
+    await model.register(backend)
+
+    async def rollout(m: jm.TrainableModel, prompt: str) -> jm.Trajectory:
+        ask = [{"role": "user", "content": prompt}]
+        done = await m.openai_client().chat.completions.create(model=m.name, messages=ask, max_tokens=6)  # pyright: ignore[reportArgumentType]
+        return jm.Trajectory(messages_and_choices=[*ask, done.choices[0]], reward=1.0)
+
+    config = jm.PipelineConfig(
+        group_size=2,
+        groups_per_step=1,
+        journal=tmp_path / "journal",
+        progress=False,
+        train=jm.TrainConfig(tis_cap=2.0, distill=DISTILL),
+    )
+    prompts = iter(["Name a fruit.", "Name a tree.", "Name a bird."])
+    result = await jm.PipelineTrainer(model, rollout, prompts, config).train(1)
+    assert result.steps == 1 and result.skipped_steps == 0 and result.zero_variance_groups == 0
+    assert await model.get_step() == 1
+    (metrics,) = result.history
+    assert metrics["teacher_sequences"] == 2 and metrics["teacher_tokens"] > 0, metrics

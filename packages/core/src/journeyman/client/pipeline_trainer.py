@@ -79,7 +79,8 @@ class PipelineConfig(BaseModel):
     skip_zero_variance: bool = Field(
         default=True,
         description="drop a group whose rewards are all equal before it takes a place in a step "
-        "(it has no advantage to learn from); counted as `zero_variance_groups`",
+        "(it has no advantage to learn from); counted as `zero_variance_groups`. Never with "
+        "`train.distill`: there the teacher's per-token signal trains every group",
     )
     eval_every: int = Field(
         default=0, ge=0, description="evaluate on `eval_scenarios` every this many trained steps (0: never)"
@@ -425,7 +426,8 @@ class _Run(Generic[S]):
             return "zero"
         if self._stale(oldest):
             return "stale"
-        if self.cfg.skip_zero_variance and not group.has_signal(self.cfg.train.min_reward_spread):
+        skips = self.cfg.skip_zero_variance and self.cfg.train.distill is None
+        if skips and not group.has_signal(self.cfg.train.min_reward_spread):
             return "zero"
         return None
 
