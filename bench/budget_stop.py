@@ -11,11 +11,11 @@ with one limit, and drives it until the named error:
 - judge_tokens: RULER with a local judge (a frozen copy of the base beside the policy), charged to
   the policy: checked before each judge call, so the overshoot is at most one call;
 - judge_usd: the same judge asked through LiteLLM as "openai/gpt-4o-mini" (served under that name, so
-  no request leaves the machine) and priced by LiteLLM's own table; needs LiteLLM:
-  `uv run --with litellm python bench/budget_stop.py` (skipped without it);
+  no request leaves the machine) and priced by LiteLLM's own table (the `litellm` extra, which the
+  workspace installs; skipped without it);
 - wall_s: completions one after another until the clock passes the limit.
 
-    uv run --with litellm python bench/budget_stop.py          # ~3 min on 2 CPU cores
+    uv run python bench/budget_stop.py          # ~3 min on 2 CPU cores
     uv run python bench/budget_stop.py --json stops.json
 """
 
@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -132,7 +131,6 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         await measure("judge_tokens", args.judge_tokens, by_tokens, judged)
 
         if importlib.util.find_spec("litellm") is not None:
-            os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # the table shipped, no fetch
             paid_judge = jm.TrainableModel(name="gpt-4o-mini", project="budget-stop", max_tokens=512)
             await paid_judge.register(backend)
             where = backend.inference("gpt-4o-mini")
@@ -149,7 +147,10 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
             await measure("judge_usd", args.judge_usd, by_usd, priced)
         else:
-            print('{"budget": "judge_usd", "skipped": "no litellm: uv run --with litellm ..."}', flush=True)
+            print(
+                '{"budget": "judge_usd", "skipped": "no litellm: pip install journeyman[litellm]"}',
+                flush=True,
+            )
 
         clock = _model("clock", wall_s=args.wall_s)
         await measure("wall_s", args.wall_s, clock, lambda i: _ask(clock, i))

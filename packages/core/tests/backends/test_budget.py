@@ -5,8 +5,6 @@ the limit and how far past it the run is."""
 from __future__ import annotations
 
 import functools
-import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +130,10 @@ async def test_the_judge_is_charged_to_the_model_it_scores_for_and_stops_at_its_
     swallow the judge's errors; a cached answer costs nothing."""
     from journeyman.client.protocol import charging
     from journeyman.rewards.ruler import RulerConfig, ruler_score_group
-    from openai.types.chat import ChatCompletion
 
     backend = jm.LocalBackend(path=tmp_path)
     by_tokens = _model(judge_tokens=3)  # the rule judge reports 1 prompt + 1 completion token a call
-    by_usd = _model(judge_usd=0.005).model_copy(update={"name": "paid"})
+    by_usd = _model(judge_usd=0.00002).model_copy(update={"name": "paid"})
     with RuleJudge() as judge:
         try:
             await by_tokens.register(backend)
@@ -155,40 +152,23 @@ async def test_the_judge_is_charged_to_the_model_it_scores_for_and_stops_at_its_
             assert (tmp_path / "budget/models/capped/spend.json").read_text().count('"judge_tokens": 4')
             await _charge_over_http(backend, tmp_path)
 
-            async def acompletion(**kwargs: Any) -> Any:  # a paid LiteLLM judge, answering by the rule
-                content = await judge.answer(kwargs)
-                message = {"role": "assistant", "content": content}
-                return ChatCompletion.model_validate(
-                    {
-                        "id": "c",
-                        "object": "chat.completion",
-                        "created": 0,
-                        "model": kwargs["model"],
-                        "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
-                        "usage": {"prompt_tokens": 1000, "completion_tokens": 100, "total_tokens": 1100},
-                    }
-                )
-
-            def cost_per_token(model: str, prompt_tokens: int, completion_tokens: int) -> tuple[float, float]:
-                assert model == "openai/gpt-4o"  # LiteLLM's table prices it: $2.50 / $10 per 1M tokens
-                return prompt_tokens * 2.5e-6, completion_tokens * 1e-5
-
-            monkeypatch.setitem(
-                sys.modules,
-                "litellm",
-                types.SimpleNamespace(acompletion=acompletion, cost_per_token=cost_per_token),
-            )
+            # a paid LiteLLM judge: LiteLLM itself, its "openai/" provider pointed at the rule judge,
+            # priced by the table it ships ($2.50 / $10 per 1M tokens for gpt-4o)
+            monkeypatch.setenv("OPENAI_BASE_URL", judge.base_url)
+            monkeypatch.setenv("OPENAI_API_KEY", "sk-local")
             paid = functools.partial(
                 ruler_score_group, judge="openai/gpt-4o", use_cache=False, charge_to=by_usd
             )
+            asked = len(judge.requests)
             await paid(_judged())
-            await paid(_judged())  # $0.0035 each: under $0.005 when asked
+            await paid(_judged())  # 1 + 1 tokens a call: $0.0000125 each, under $0.00002 when asked
             with pytest.raises(
-                jm.BudgetExceededError, match=r"budget\.judge_usd: paid spent 0\.007 of its limit"
+                jm.BudgetExceededError, match=r"budget\.judge_usd: paid spent 2\.5e-05 of its limit"
             ):
                 await paid(_judged())
+            assert len(judge.requests) == asked + 2  # through LiteLLM to the judge; the third never asked
             spent = backend.service(by_usd).meter.spent()  # pyright: ignore[reportOptionalMemberAccess]
-            assert spent["judge_usd"] == pytest.approx(0.007) and spent["judge_tokens"] == 2200
+            assert spent["judge_usd"] == pytest.approx(2.5e-5) and spent["judge_tokens"] == 4
         finally:
             backend.close()
 

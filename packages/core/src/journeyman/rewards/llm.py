@@ -168,6 +168,9 @@ async def _local(name: str | None, backend: Backend | None, field: str, spec: LL
 
 
 def _import_litellm(field: str, model: str) -> Any:
+    # LiteLLM fetches its price table from GitHub at import unless told to read the copy it ships:
+    # a machine without that network would wait on it, and the prices would move under a run
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     try:
         import litellm  # pyright: ignore[reportMissingImports] - the optional journeyman[litellm] extra
     except ImportError as e:
