@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +213,8 @@ async def test_judge_specs() -> None:
     with pytest.raises(jm.InvalidFieldError) as err:  # nothing of that name is served in this process
         await ruler_score_group(group(), judge="local:no-such-model")
     assert err.value.field == "judge"
-    if importlib.util.find_spec("litellm") is None:
+    with pytest.MonkeyPatch.context() as mp:  # an install without the litellm extra
+        mp.setitem(sys.modules, "litellm", None)
         with pytest.raises(ImportError, match=r'pip install "journeyman\[litellm\]"'):
             await ruler_score_group(group(), judge="openai/gpt-4o", swallow_exceptions=True)
 
