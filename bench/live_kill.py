@@ -158,20 +158,30 @@ async def main(args: argparse.Namespace) -> int:
             sem = asyncio.Semaphore(args.concurrency)
 
             async def one(i: int) -> None:
-                async with sem:
-                    await episode(server, http, i, args.calls, log)
-
-            work = asyncio.gather(*(one(i) for i in range(args.episodes)))
-            while not work.done() and server.kills < args.kills:
                 try:
-                    await asyncio.wait_for(asyncio.shield(work), random.uniform(args.min_s, args.max_s))
-                except TimeoutError:
+                    await episode(server, http, i, args.calls, log)
+                finally:
+                    sem.release()
+
+            async def clients() -> int:
+                """Episodes, `--concurrency` at a time, until `--episodes` are made and every kill is done."""
+                started: list[asyncio.Task[None]] = []
+                while len(started) < args.episodes or server.kills < args.kills:
+                    await sem.acquire()
+                    started.append(asyncio.create_task(one(len(started))))
+                await asyncio.gather(*started)
+                return len(started)
+
+            async def killer() -> None:
+                while server.kills < args.kills:
+                    await asyncio.sleep(random.uniform(args.min_s, args.max_s))
                     print(
                         f"kill {server.kills + 1} at {time.monotonic() - t0:.0f} s ({len(log['status'])} outcomes so far)",
                         flush=True,
                     )
                     await server.kill_and_restart()
-            await work
+
+            episodes, _ = await asyncio.gather(clients(), killer())
             deadline = time.monotonic() + args.final_wait_s  # the last episodes train (max_wait_s)
             while True:
                 try:
@@ -196,7 +206,7 @@ async def main(args: argparse.Namespace) -> int:
     missing = sorted(acked - set(seen))
     trained_refused = sorted(refused & set(seen))
     print(
-        f"\n{server.kills} kills in {time.monotonic() - t0:.0f} s; {args.episodes} episodes, {args.calls} calls each "
+        f"\n{server.kills} kills in {time.monotonic() - t0:.0f} s; {episodes} episodes, {args.calls} calls each "
         f"({log['calls_lost']} calls cut off by a kill); outcomes: {dict(statuses)}; "
         f"waiting at the end: {status.episodes_waiting}; trained: {sum(seen.values())} episodes in "
         f"{len(list((run_dir / 'trajectories' / 'train').glob('[0-9]*.jsonl')))} steps, {log['promoted']} promoted"
@@ -215,7 +225,7 @@ async def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=6)
-    p.add_argument("--episodes", type=int, default=48)
+    p.add_argument("--episodes", type=int, default=48, help="at least; more while kills remain")
     p.add_argument("--calls", type=int, default=2, help="chat calls an episode")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--episodes-per-step", type=int, default=6)
