@@ -134,6 +134,7 @@ async def main(args: argparse.Namespace) -> int:
         # steps follow one another; the last episodes train once they have waited max_wait_s
         live = jm.LiveConfig(
             episodes_per_step=args.episodes_per_step,
+            max_steps_off_policy=1_000_000,  # none dropped as stale: each outcome must train, not age out
             max_wait_s=3.0,
             min_episodes=1,
             settle_s=0.0,

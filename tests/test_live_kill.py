@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_random_kills_of_a_live_server_lose_and_repeat_no_outcome(tmp_path: Path) -> None:
-    args = ["--kills", "3", "--episodes", "18", "--min-s", "2", "--max-s", "5", "--episodes-per-step", "3"]
+    args = ["--kills", "3", "--episodes", "18", "--min-s", "2", "--max-s", "5", "--episodes-per-step", "8"]
+    args += ["--concurrency", "2"]
     args += ["--base-model", str(tiny_model_dir()), "--path", str(tmp_path), "--seed", "1"]
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "live_kill.py"), *args],
