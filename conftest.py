@@ -80,7 +80,7 @@ FILE_SECONDS = {
     "packages/core/tests/backends/test_budget.py": 60,  # under load: 2026-11-29
     "packages/core/tests/backends/test_tenants.py": 73,  # alone, -n 0, wall: 2026-11-29
     "packages/core/tests/rewards/test_distill.py": 110,  # estimate under load: 2026-11-29
-    "tests/test_live_kill.py": 60,  # 3 kills and restarts of a tiny model's server: 2026-11-29
+    "tests/test_live_kill.py": 70,  # 3 kills and restarts of a tiny model's server: 2026-11-29
     "packages/core/tests/serving/test_model_limits.py": 19,  # alone, -n 0 (32 s wall with collection): 2026-11-29
 }
 
