@@ -120,7 +120,8 @@ async def test_a_distillation_step_moves_the_student_toward_its_teacher(two) -> 
     result = await student.train(groups, config=config)
     assert not result.skipped and result.step == 1
     m = result.metrics
-    assert m["teacher_sequences"] == 4 and m["teacher_tokens"] > 0 and m["teacher_kl"] > 0
+    # teacher_kl: an estimate from 4 samples, a KL in expectation only (one run here read -0.03)
+    assert m["teacher_sequences"] == 4 and m["teacher_tokens"] > 0 and math.isfinite(m["teacher_kl"])
     after = sum(abs(a - b) for a, b in zip(_sampled_logprobs(policy, groups), teacher_lp, strict=True))
     assert after < 0.9 * before, (before, after)  # 0.72-0.81 in runs here
     lines = (student.run_dir / "trajectories" / "train" / "0000.jsonl").read_text().splitlines()
