@@ -61,8 +61,8 @@ async def teacher_scorer(s: ServedModel, teacher: Teacher) -> Scorer:
 
 
 def _load_policy(s: ServedModel, teacher: Teacher) -> Any:
-    """The teacher as a LoRA policy: its base (the student's own weights when it is the same base)
-    with its checkpoint's adapter, or none (the base as it is)."""
+    """The teacher as a LoRA policy on a copy of its base of its own, with its checkpoint's adapter
+    (its saved rank, alpha and target modules), or none (the base as it is)."""
     from journeyman.policy.lora import LoraPolicy
     from journeyman.policy.weights import resolve_base_model
 

@@ -222,6 +222,3 @@ class EndpointScorer:
     async def text_of(self, ids: list[int]) -> str:
         (choice,) = await self._post([ids])
         return str(choice.get("text", ""))
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
