@@ -46,6 +46,7 @@ FILE_SECONDS = {
     "packages/agents-sdk/tests/test_agents_sdk.py": 91,
     "tests/test_typescript.py": 140,
     "packages/core/tests/backends/test_server.py": 83,
+    "packages/core/tests/backends/test_otel.py": 15,  # a `journeyman serve` started: 2026-11-29
     "tests/test_soak.py": 89,
     "packages/langgraph/tests/test_langgraph.py": 49,
     "packages/core/tests/client/test_pipeline_trainer.py": 66,

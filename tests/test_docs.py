@@ -755,6 +755,10 @@ NOT_RUN: dict[tuple[str, str], str] = {
         "the trained model of the command above (packages/core/tests/environments evaluates steps 0 and latest)"
     ),
     ("README.md", "./dev test"): "the whole test suite, which this test is part of",
+    ("docs/metrics.md", "journeyman serve --otel-endpoint"): (
+        "an OpenTelemetry collector at collector:4318 (yours); packages/core/tests/backends/test_otel.py "
+        "starts `journeyman serve --otel-endpoint` against an OTLP receiver"
+    ),
     ("README.md", "mcp-rl train http://127.0.0.1:8000/mcp"): "an MCP server on port 8000 (yours)",
     ("README.md", "mcp-rl train -- mcp-server-time"): (
         "minutes of training; mcp-server-time from PyPI is started by packages/mcp/tests"

@@ -529,6 +529,20 @@ def serve(
         Path | None, typer.Option(help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
     ] = None,
     ssl_keyfile: Annotated[Path | None, typer.Option(help="the certificate's private key (PEM)")] = None,
+    otel_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="also push the /metrics series to this OpenTelemetry collector (OTLP/HTTP, "
+            "http://host:4318/v1/metrics; default: $OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, "
+            "$OTEL_EXPORTER_OTLP_ENDPOINT; the otel extra)"
+        ),
+    ] = None,
+    otel_interval_s: Annotated[
+        float | None,
+        typer.Option(
+            help="seconds between OpenTelemetry exports (default: $OTEL_METRIC_EXPORT_INTERVAL ms, else 60)"
+        ),
+    ] = None,
 ) -> None:
     """Serve the Backend protocol and every model's OpenAI endpoint over HTTP, for `jm.RemoteBackend`,
     and the run viewer at /view/ (open /view/?token=T once in a browser; an API token of scope train).
@@ -548,7 +562,21 @@ def serve(
         raise typer.Exit(2) from None
     from journeyman.app.view.mount import add_viewer
     from journeyman.backends.local import LocalBackend
+    from journeyman.backends.otel import otel_settings, require_otel
     from journeyman.backends.server import serve as run
+    from journeyman.errors import InvalidFieldError
+
+    try:
+        otel = otel_settings(otel_endpoint, otel_interval_s)
+    except InvalidFieldError as e:  # the flag, or the OTEL_* variable, that was given
+        flags = {"otel_endpoint": "'--otel-endpoint'", "otel_interval_s": "'--otel-interval-s'"}
+        raise typer.BadParameter(e.reason, param_hint=flags.get(e.field, e.field)) from None
+    if otel is not None:
+        try:  # before the model loads: a missing extra is said at once
+            require_otel(f"journeyman serve ({otel.source})")
+        except ImportError as e:
+            typer.secho(str(e), fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from None
 
     token = os.environ.get("JOURNEYMAN_TOKEN") or secrets.token_urlsafe(32)
     _log_to_stderr()  # each register, step, promotion and refusal: one INFO line
@@ -575,6 +603,7 @@ def serve(
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
         routes=lambda app: add_viewer(app, path),  # the run viewer at /view/ (token of scope train)
+        otel=otel,
     )
 
 

@@ -46,6 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from journeyman.backends.metrics import CONTENT_TYPE, ModelSource, ServerMetrics, TimedRequests
+from journeyman.backends.otel import OtelExport, OtelSettings
 from journeyman.client.operations import OPERATIONS, REGISTER, Operation
 from journeyman.client.protocol import Progress, ServedBackend
 from journeyman.client.wire import PREFIX, PROTOCOL_VERSION, Registered, ServerInfo, TrainEvent, body_error
@@ -280,6 +281,7 @@ def create_app(
         ModelSource(lambda: _visible(backend.registered()), getattr(backend, "service", None))
     )
     app.add_middleware(TimedRequests, metrics=metrics)
+    app.state.metrics = metrics  # what an OpenTelemetry export reads (`serve(otel=...)`)
     jobs: dict[JobName, TrainJob] = {}
     app.state.train_jobs = jobs  # what a drain waits for (`serve`)
 
@@ -718,13 +720,15 @@ def serve(
     ssl_certfile: str | Path | None = None,
     ssl_keyfile: str | Path | None = None,
     routes: Callable[[FastAPI], None] | None = None,
+    otel: OtelSettings | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT (uvicorn, this thread); models registered before a restart are
     registered again by their clients and resume from the run directory. SIGTERM drains first
     (`serving/drain.py`): new requests get 503, those in flight and a training step under way finish.
 
     `token` is the admin token; more, with scopes, live in `<backend.path>/tokens.json`
-    (`journeyman token add`). With `ssl_certfile` and `ssl_keyfile` the server speaks HTTPS itself."""
+    (`journeyman token add`). With `ssl_certfile` and `ssl_keyfile` the server speaks HTTPS itself.
+    With `otel` the `/metrics` series are also pushed to an OpenTelemetry collector (`backends/otel.py`)."""
     import uvicorn
 
     if (ssl_certfile is None) != (ssl_keyfile is None):
@@ -759,9 +763,20 @@ def serve(
             on_ready(f"{scheme}://{host}:{port}")
         await task
 
+    export = None
+    if otel is not None:
+        export = OtelExport(routed.state.metrics.registry, otel.endpoint, interval_s=otel.interval_s).start()
+        log.info(
+            "exporting metrics to %s every %g s (OpenTelemetry, from %s)",
+            otel.endpoint,
+            otel.interval_s,
+            otel.source,
+        )
     try:
         asyncio.run(main())
     finally:
+        if export is not None:
+            export.close()  # one last export, bounded by its timeout
         backend.close()
 
 
