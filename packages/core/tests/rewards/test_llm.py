@@ -8,7 +8,6 @@ import asyncio
 import contextvars
 import sys
 import time
-import types
 from collections.abc import Coroutine
 from typing import Any
 
@@ -18,7 +17,6 @@ from _support import ChatServer
 from fastapi import FastAPI, Request
 from journeyman.client.protocol import set_current_backend
 from journeyman.rewards.llm import LLM, LLMTimeoutError, chat_client, complete_json, resolve_llm
-from openai.types.chat import ChatCompletion
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
@@ -28,10 +26,16 @@ class Served(ChatServer):
 
     def __init__(self) -> None:
         self.auth: list[str | None] = []
+        self.keys: list[tuple[str, str | None]] = []  # (path, Authorization) of every request
         self.delay = 0.0
         super().__init__()
 
     def routes(self, app: FastAPI) -> None:
+        @app.middleware("http")
+        async def keys(request: Request, call_next: Any) -> Any:
+            self.keys.append((request.url.path, request.headers.get("authorization")))
+            return await call_next(request)
+
         @app.get("/v1/models")
         async def models(request: Request) -> dict[str, Any]:
             self.auth.append(request.headers.get("authorization"))
@@ -150,45 +154,42 @@ async def test_litellm_missing_extra_says_what_to_install(monkeypatch: pytest.Mo
         await resolve_llm("openai/gpt-4o", field="generator")
 
 
-async def test_litellm_spec_and_call(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_litellm_spec_and_call(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real LiteLLM, as `openai/<name>` with `api_base`, against the OpenAI-compatible stand-in
+    (a paid provider cannot be reached here): what it sends arrives on the wire."""
+    import litellm
+
     calls: list[dict[str, Any]] = []
+    real = litellm.acompletion
 
-    async def acompletion(**kwargs: Any) -> Any:
+    async def acompletion(**kwargs: Any) -> Any:  # a spy: records what LiteLLM is handed, calls it
         calls.append(kwargs)
-        # LiteLLM's ModelResponse is a pydantic model in OpenAI's chat.completion shape
-        return ChatCompletion.model_validate(
-            {
-                "id": "c",
-                "object": "chat.completion",
-                "created": 0,
-                "model": kwargs["model"],
-                "choices": [
-                    {
-                        "index": 0,
-                        "finish_reason": "stop",
-                        "message": {"role": "assistant", "content": '{"ok": true}'},
-                    }
-                ],
-            }
-        )
+        return await real(**kwargs)
 
-    monkeypatch.setitem(sys.modules, "litellm", types.SimpleNamespace(acompletion=acompletion))
-    llm = await resolve_llm("anthropic/claude-sonnet-4-5", api_key="k")
-    assert (llm.kind, llm.model, llm.identity) == (
-        "litellm",
-        "anthropic/claude-sonnet-4-5",
-        "litellm:anthropic/claude-sonnet-4-5",
-    )
+    monkeypatch.setattr(litellm, "acompletion", acompletion)
+    seen = len(served.requests)
+    llm = await resolve_llm("openai/judge", api_key="k")
+    assert (llm.kind, llm.model, llm.identity) == ("litellm", "openai/judge", "litellm:openai/judge")
     text, finish = await complete_json(
-        llm, [{"role": "user", "content": "hi"}], SCHEMA, params={"temperature": 0}
+        llm,
+        [{"role": "user", "content": "hi"}],
+        SCHEMA,
+        params={"temperature": 0, "api_base": served.base_url},
     )
     assert (text, finish) == ('{"ok": true}', "stop")
-    fmt = calls[0]["response_format"]["json_schema"]
+    body = served.requests[seen]
+    assert body["model"] == "judge" and body["temperature"] == 0  # the provider prefix taken off
+    fmt = body["response_format"]["json_schema"]
     assert fmt["schema"] == SCHEMA and fmt["strict"] is False  # providers differ in strict keywords
-    assert calls[0]["api_key"] == "k" and calls[0]["temperature"] == 0 and calls[0]["timeout"] > 0
+    assert served.keys[-1] == ("/v1/chat/completions", "Bearer k")
+    assert calls[0]["api_key"] == "k" and calls[0]["timeout"] > 0
     # a LiteLLM player (mcp-rl's --against) goes through the same client, key included
-    reply = await chat_client(llm, timeout=5).chat.completions.create(model=llm.model, messages=[])
+    reply = await chat_client(llm, timeout=5).chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": "again"}], api_base=served.base_url
+    )
     assert reply.choices[0].message.content == '{"ok": true}' and calls[1]["api_key"] == "k"
+    assert served.requests[seen + 1]["messages"] == [{"role": "user", "content": "again"}]
+    assert served.keys[-1] == ("/v1/chat/completions", "Bearer k")
 
 
 async def test_complete_json_sends_the_schema(backend: StandIn, served: Served) -> None:
