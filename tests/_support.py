@@ -538,3 +538,52 @@ class RuleJudge(ChatServer):
         elif mode == "bad_ids":
             scores[0]["trajectory_id"] = "99"
         return "I think they are all fine." if mode == "prose" else json.dumps({"scores": scores})
+
+
+VENVS = Path(__file__).resolve().parent.parent / ".venvs"
+"""Virtual environments of packages that cannot share the workspace's (verifiers pins mcp<2),
+one per pinned requirements file, kept between runs: ignored by git, rebuilt when the file changes."""
+
+
+def pinned_venv(requirements: Path, timeout_s: float = 900.0) -> str:
+    """The Python of a virtual environment holding exactly `requirements` (uv, from the package index
+    this machine uses), built once per version of that file; a failed install fails the test with the
+    installer's output (never a skip: the test then would not run where it should)."""
+    import hashlib
+    import shutil
+    import subprocess
+
+    import pytest
+
+    digest = hashlib.sha256(requirements.read_bytes()).hexdigest()[:12]
+    where = VENVS / f"{requirements.stem}-{digest}"
+    python = where / "bin" / "python"
+    if (where / ".complete").exists():
+        return str(python)
+    uv = shutil.which("uv")
+    if uv is None:
+        pytest.fail("uv is not on PATH: ./dev installs it")
+    shutil.rmtree(where, ignore_errors=True)
+    print(f"\nbuilding {where.relative_to(VENVS.parent)} from {requirements.name}", flush=True)
+    for cmd in (
+        [uv, "venv", "--quiet", "--python", f"{sys.version_info.major}.{sys.version_info.minor}", str(where)],
+        [
+            uv,
+            "pip",
+            "install",
+            "--quiet",
+            "--compile-bytecode",
+            "--python",
+            str(python),
+            "-r",
+            str(requirements),
+        ],
+    ):
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{' '.join(cmd)} took over {timeout_s:.0f} s")
+        if done.returncode != 0:
+            pytest.fail(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    (where / ".complete").write_text(requirements.read_text())
+    return str(python)

@@ -155,6 +155,18 @@ class EnvironmentRolloutError(JourneymanError, RuntimeError):
         super().__init__(f"environment {environment!r}, task {task!r}: {type(error).__name__}: {error}")
 
 
+class EnvironmentWorkerError(JourneymanError, RuntimeError):
+    """The process an environment runs in (a verifiers worker) did not load in time or died: `.spec`
+    names the environment, the message ends with the process's last stderr lines. Every rollout
+    waiting on it gets this error; what was collected before stays collected."""
+
+    def __init__(self, spec: str, what: str, stderr_tail: str = "") -> None:
+        self.spec = spec
+        self.stderr_tail = stderr_tail
+        tail = f"\n{stderr_tail}" if stderr_tail else ""
+        super().__init__(f"the worker of environment {spec!r} {what}{tail}")
+
+
 class RolloutDroppedError(JourneymanError):
     """A run raised and an integration's `on_error="drop"` discards it; `error` is what it raised.
 

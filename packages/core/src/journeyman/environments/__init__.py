@@ -20,6 +20,7 @@ from journeyman.environments._openenv import OpenEnvEnvironment
 from journeyman.environments._protocol import Environment, Sampling, Split, Task, from_function, run_task
 from journeyman.environments._spec import load
 from journeyman.environments._train import TrainStep, train
+from journeyman.environments._verifiers import VerifiersEnvironment, verifiers
 
 __all__ = [
     "Difference",
@@ -33,9 +34,11 @@ __all__ = [
     "StepResult",
     "Task",
     "TrainStep",
+    "VerifiersEnvironment",
     "evaluate",
     "from_function",
     "load",
     "run_task",
     "train",
+    "verifiers",
 ]

@@ -3,7 +3,9 @@
 - `module:function` (or `path/to/file.py:function`): a callable that returns an `Environment`, or a
   pair `(rollout, tasks)` for `from_function`;
 - `gym:<module>:<id>[:key=value,...]`: `<module>.make(<id>, **kwargs)`, a gym-style text game;
-- `verifiers:<module-or-file>[:key=value,...]`: a verifiers environment, `load_environment(**kwargs)`;
+- `verifiers:<module-or-file>[:key=value,...]`: a verifiers environment, `load_environment(**kwargs)`
+  (or a dotted path to an environment class, `verifiers.ReasoningGymEnv`), run in a worker of the
+  Python named by `python=...` (default: this one);
 - `openenv:<url>`: an OpenEnv environment server, driven over HTTP.
 
 Values in `key=value` are read as JSON where they parse (`n=5`, `hard=true`), else as strings.
@@ -42,10 +44,10 @@ def load(spec: str | Environment) -> Environment:
             raise InvalidFieldError("spec", spec, "write gym:<module>:<id>[:key=value,...]")
         return make_gym(module, env_id, parse_args(args, spec))
     if scheme == "verifiers":
-        from journeyman.environments._verifiers import load_verifiers
+        from journeyman.environments._verifiers import verifiers
 
         target, args = _split_args(rest)
-        return load_verifiers(import_target(target, spec), target, parse_args(args, spec), spec=spec)
+        return verifiers(target, **parse_args(args, spec))
     if scheme == "openenv":
         from journeyman.environments._openenv import OpenEnvEnvironment
 
