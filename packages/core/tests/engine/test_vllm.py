@@ -222,9 +222,10 @@ async def test_a_seed_reproduces_its_samples(vllm_served, seeded: ChatCompletion
 
 async def test_a_seeded_prompt_past_the_cpu_batch_budget_is_answered(vllm_served) -> None:
     """Longer than the CPU build's default 2048-token batch budget: chunked, its prefill killed
-    vLLM's engine core (a CPU generator cannot rewind); the server now runs unchunked."""
+    vLLM's engine core (a CPU generator cannot rewind); the server now runs unchunked. 650 items:
+    2524 tokens, past the budget with room to spare and a third less prefill than 900 (3524)."""
     model, backend = vllm_served
-    long = [{"role": "user", "content": "Summarize: " + " ".join(f"item{i}" for i in range(900))}]
+    long = [{"role": "user", "content": "Summarize: " + " ".join(f"item{i}" for i in range(650))}]
     assert 2048 < len(backend.service(model).chat_format.prompt_ids(long)[0]) < 4000
     out = await model.openai_client().chat.completions.create(
         model=model.name, messages=long, max_tokens=4, temperature=1.0, seed=3
