@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # came last and one worker ran them alone for 200 s while the other sat idle. Files not listed
 # (under 12 s) follow in collection order.
 FILE_SECONDS = {
-    "packages/core/tests/engine/test_vllm.py": 413,
+    "packages/core/tests/engine/test_vllm.py": 402,  # 650-item long prompt, not 900 (-11 s): 2026-11-29
     "packages/mcp/tests/test_mcp_rl.py": 238,  # alone, -n 0: 2026-11-29
     "tests/test_examples.py": 265,
     "packages/mcp/tests/test_win_rate.py": 80,  # 4 SFT epochs, not 10: 2026-11-29
