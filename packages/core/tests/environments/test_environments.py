@@ -25,7 +25,9 @@ async def test_a_textarena_game_is_played_turn_by_turn_and_recorded_token_exactl
     assert {t.id for t in train}.isdisjoint(t.id for t in held_out)
     trajectory = await run_task(env, model, held_out[0], Sampling(temperature=1.0, max_tokens=8))
     turns = int(trajectory.metrics["turns"])
-    assert 1 <= turns <= 2 and 0.0 <= trajectory.reward <= 1.0
+    # the game's 2 turns, plus retries: TextArena lets an invalid guess be made again without using a
+    # turn (its error allowance), so a sampled run may take more model calls; the bridge's bound is 32
+    assert 1 <= turns <= 32 and 0.0 <= trajectory.reward <= 1.0
     assert trajectory.metadata["task"] == held_out[0].id
     # every assistant turn carries the ids and logprobs the engine sampled
     records = trajectory.records()
