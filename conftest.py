@@ -39,7 +39,7 @@ FILE_SECONDS = {
     "packages/mcp/tests/test_mcp_rl.py": 238,  # alone, -n 0: 2026-11-29
     "tests/test_examples.py": 265,
     "packages/mcp/tests/test_win_rate.py": 80,  # 4 SFT epochs, not 10: 2026-11-29
-    "packages/core/tests/backends/test_distributed.py": 137,
+    "packages/core/tests/backends/test_distributed.py": 131,  # two-rank test on 2 groups of 2 (-5 s): 2026-11-29
     "packages/core/tests/serving/test_endpoint.py": 100,
     "packages/core/tests/app/test_demo_learns.py": 77,
     "packages/core/tests/environments/test_environments.py": 64,
