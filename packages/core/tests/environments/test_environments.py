@@ -129,8 +129,11 @@ def test_bad_specs_are_named_errors() -> None:
         ("json:no_such_function", "has no callable 'no_such_function'"),
         ("gym:textarena", "gym:<module>:<id>"),
         ("openenv:localhost", "openenv:http://host:port"),
+        ("openenv:http://127.0.0.1:9:turns=4", "takes no such option.*'turns'"),
     ):
         with pytest.raises(jm.InvalidFieldError, match=why) as raised:
             load(spec)
         assert raised.value.field == "spec"
     assert load(GAME).max_turns == 32  # type: ignore[attr-defined]  # the bridge's bound; the game's is 2
+    server = load("openenv:http://127.0.0.1:9:max_turns=4,sessions=2")
+    assert (server.url, server.max_turns) == ("http://127.0.0.1:9", 4)  # type: ignore[attr-defined]

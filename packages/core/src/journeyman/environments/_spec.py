@@ -6,7 +6,8 @@
 - `verifiers:<module-or-file>[:key=value,...]`: a verifiers environment, `load_environment(**kwargs)`
   (or a dotted path to an environment class, `verifiers.ReasoningGymEnv`), run in a worker of the
   Python named by `python=...` (default: this one);
-- `openenv:<url>`: an OpenEnv environment server, driven over HTTP.
+- `openenv:<url>[:key=value,...]`: an OpenEnv environment server, one session WebSocket an episode
+  (`max_turns`, `action_field`, `sessions`, `timeout_s`, ... of `OpenEnvEnvironment`).
 
 Values in `key=value` are read as JSON where they parse (`n=5`, `hard=true`), else as strings.
 """
@@ -51,11 +52,16 @@ def load(spec: str | Environment) -> Environment:
     if scheme == "openenv":
         from journeyman.environments._openenv import OpenEnvEnvironment
 
-        return OpenEnvEnvironment(rest)
+        url, args = _split_args(rest)
+        options = parse_args(args, spec)
+        try:
+            return OpenEnvEnvironment(url, **options)
+        except TypeError as e:
+            raise InvalidFieldError("spec", spec, f"OpenEnvEnvironment takes no such option: {e}") from e
     return _from_callable(spec)
 
 
-_USAGE = "write module:function, gym:<module>:<id>, verifiers:<module>[:key=value,...] or openenv:<url>"
+_USAGE = "write module:function, gym:<module>:<id>, verifiers:<module>[:key=value,...] or openenv:<url>[:key=value,...]"
 
 
 def _split_args(rest: str) -> tuple[str, str]:
