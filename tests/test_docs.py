@@ -754,6 +754,15 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/environments.md", "journeyman eval --env gym:textarena"): (
         "the trained model of the command above (packages/core/tests/environments evaluates steps 0 and latest)"
     ),
+    ("docs/environments.md", "uv venv .venv-vf"): (
+        "installs verifiers into a new interpreter; the tests build the same pinned one (tests/_support.py: pinned_venv)"
+    ),
+    ("docs/environments.md", "uv pip install --python .venv-vf/bin/python"): (
+        "installs verifiers; packages/core/tests/environments/test_verifiers.py builds the pinned interpreter"
+    ),
+    ("docs/environments.md", "journeyman eval --env verifiers:verifiers.ReasoningGymEnv"): (
+        "the .venv-vf interpreter of the commands above; test_verifiers.py evaluates ReasoningGymEnv through it"
+    ),
     ("README.md", "./dev test"): "the whole test suite, which this test is part of",
     ("docs/metrics.md", "journeyman serve --otel-endpoint"): (
         "an OpenTelemetry collector at collector:4318 (yours); packages/core/tests/backends/test_otel.py "
