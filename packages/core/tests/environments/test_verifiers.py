@@ -133,3 +133,26 @@ async def test_what_goes_wrong_in_a_verifiers_environment_is_named(
         assert isinstance(died.value.error, jm.EnvironmentWorkerError)
     finally:
         env.close()  # type: ignore[attr-defined]
+
+
+async def test_through_journeyman_serve_with_the_pipeline_trainer(
+    remote_server: Any, python: str, tmp_path: Path
+) -> None:
+    """The worker reaches the model through `journeyman serve` (its URL and token), and the
+    PipelineTrainer trains on what the server captured for each episode."""
+    backend = jm.RemoteBackend(remote_server.url, token=remote_server.token, progress=False)
+    model = jm.TrainableModel(name="vf-remote", project="tests-verifiers")
+    await model.register(backend)
+    (tmp_path / "say_twice.py").write_text(MULTI_TURN)
+    env = load(f"verifiers:{tmp_path / 'say_twice.py'}:n=6,python={python}")
+    try:
+        trajectory = await run_task(env, model, env.tasks("eval")[0], SHORT)
+        records = trajectory.records()
+        assert len(records) == 2 and all(r.token_ids and len(r.logprobs) == len(r.token_ids) for r in records)
+        steps = await jm.environments.train(
+            model, env, steps=1, groups_per_step=2, group_size=2, sampling=SHORT, pipeline=True
+        )
+        assert len(steps) == 1 and steps[0].rollouts == 4 and steps[0].failed == 0
+        assert await model.get_step() == (0 if steps[0].skipped else 1)
+    finally:
+        env.close()  # type: ignore[attr-defined]

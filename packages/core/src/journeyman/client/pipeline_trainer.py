@@ -467,6 +467,9 @@ class _Run(Generic[S]):
             "pipeline/zero_variance_groups": float(self.counts["zero"]),
             "pipeline/queue": float(self.queue.qsize() + len(self.ready)),
             "pipeline/rolling": float(self.rolling),
+            "pipeline/step_rollouts": float(sum(len(g.trajectories) for _, g in batch)),
+            "pipeline/exceptions": float(self.counts["exceptions"]),
+            "pipeline/skipped": float(result.skipped),
         }
         self.history.append(row)
         self.last_metrics = row

@@ -89,17 +89,24 @@ async def train(
         )
         tasks = (t for _ in itertools.count() for t in draw(groups_per_step))
         result = await PipelineTrainer(model, rollout, tasks, pipe).train(steps)
-        return [
-            TrainStep(
-                step=int(h.get("step", i)),
-                reward=h.get("reward", float("nan")),
-                rollouts=int(h.get("rollouts", 0)),
-                failed=0,
-                skipped=False,
-                seconds=h.get("train_seconds", 0.0),
+        rows: list[TrainStep] = []
+        failed_before = 0.0
+        for i, h in enumerate(result.history):
+            failed = h.get("pipeline/exceptions", 0.0)  # a running count: this step's are the increase
+            rows.append(
+                TrainStep(
+                    step=int(h.get("step", i)),
+                    reward=h.get("reward", float("nan")),
+                    rollouts=int(h.get("pipeline/step_rollouts", 0)),
+                    failed=int(failed - failed_before),
+                    skipped=bool(h.get("pipeline/skipped", 0.0)),
+                    seconds=h.get("train_seconds", 0.0),
+                )
             )
-            for i, h in enumerate(result.history)
-        ]
+            failed_before = failed
+            if on_step is not None:
+                on_step(rows[-1])
+        return rows
     done: list[TrainStep] = []
     for _ in range(steps):
         t0 = time.perf_counter()
