@@ -44,7 +44,7 @@ FILE_SECONDS = {
     "packages/core/tests/app/test_demo_learns.py": 77,
     "packages/core/tests/environments/test_environments.py": 64,
     "packages/core/tests/environments/test_openenv.py": 46,  # its venv built: 2026-11-29
-    "packages/core/tests/environments/test_verifiers.py": 80,  # its venv built; ~20 s more to build it
+    "packages/core/tests/environments/test_verifiers.py": 130,  # 88 in a fresh clone (venv built), + 40 s serve/pipeline: 2026-11-29
     "packages/agents-sdk/tests/test_agents_sdk.py": 91,
     "tests/test_typescript.py": 140,
     "packages/core/tests/backends/test_server.py": 83,
